@@ -1,0 +1,113 @@
+"""PipelineConfig: every limit of every stage, in one checked dataclass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PipelineConfig", "default_cache_dir"]
+
+
+def default_cache_dir() -> Path:
+    """Where the embedded default checkpoint is written (``$VLM_PIPELINE_CACHE`` or ``~/.cache``)."""
+    root = os.environ.get("VLM_PIPELINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vlm-pipeline"
+    )
+    return Path(root)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """Configuration of the pipeline; ``model=None`` selects the embedded default model."""
+
+    # -- model --
+    model: str | None = None
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    # -- admission --
+    max_pending_requests: int = 256  # requests admitted and not yet finished; beyond it: Overloaded
+    retry_after_s: float = 1.0
+    stage_queue_size: int = 16  # inbox of every stage
+
+    # -- fetch --
+    allow_private_networks: bool = False
+    media_root: str | None = None  # local files (file:// and bare paths) only under this folder
+    fetch_connect_timeout_s: float = 5.0
+    fetch_total_timeout_s: float = 20.0
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_redirects: int = 3
+    fetch_concurrency: int = 32
+
+    # -- decode --
+    max_image_pixels: int = 40_000_000  # decompression-bomb guard, checked before pixels are decoded
+    decode_threads: int = 2
+
+    # -- template + tokenize --
+    max_images_per_request: int = 8
+    max_prompt_tokens: int = 16_384
+    template_threads: int = 1
+
+    # -- vision encode --
+    vision_max_batch: int = 8
+    vision_batch_wait_ms: float = 2.0
+
+    # -- grammar --
+    grammar_cache_size: int = 512
+    grammar_max_concurrent_compiles: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
+    # writes "{" followed by whitespace until max_tokens.
+    json_any_whitespace: bool = False
+
+    # -- decode engine --
+    max_running_seqs: int = 32
+    max_model_len: int = 8192
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # None: enough for max_running_seqs sequences of max_model_len / 4
+    prefill_chunk_tokens: int = 2048
+    default_max_tokens: int = 256
+    engine_queue_size: int = 64
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_pending_requests": self.max_pending_requests,
+            "stage_queue_size": self.stage_queue_size,
+            "max_image_bytes": self.max_image_bytes,
+            "fetch_concurrency": self.fetch_concurrency,
+            "max_image_pixels": self.max_image_pixels,
+            "decode_threads": self.decode_threads,
+            "max_images_per_request": self.max_images_per_request,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "template_threads": self.template_threads,
+            "vision_max_batch": self.vision_max_batch,
+            "grammar_cache_size": self.grammar_cache_size,
+            "grammar_max_concurrent_compiles": self.grammar_max_concurrent_compiles,
+            "max_running_seqs": self.max_running_seqs,
+            "max_model_len": self.max_model_len,
+            "kv_block_size": self.kv_block_size,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "default_max_tokens": self.default_max_tokens,
+            "engine_queue_size": self.engine_queue_size,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"PipelineConfig.{name} must be positive, got {value}")
+        if self.max_redirects < 0:
+            raise ValueError("PipelineConfig.max_redirects must be >= 0")
+        for name in ("fetch_connect_timeout_s", "fetch_total_timeout_s", "grammar_compile_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PipelineConfig.{name} must be positive")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"PipelineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("PipelineConfig.num_kv_blocks must be positive")
+
+    def resolved_device(self) -> str:
+        """The torch device string this config runs on."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
