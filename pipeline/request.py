@@ -1,0 +1,294 @@
+"""Admission parsing: an OpenAI chat-completions body into a typed ChatRequest.
+
+Every error names the offending field (``messages[1].content[0].image_url.url``), so a client
+knows what to fix; nothing here does I/O or heavy CPU work, so it runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipeline.errors import InvalidRequest
+
+__all__ = [
+    "ChatRequest",
+    "GrammarSpec",
+    "ImagePart",
+    "Message",
+    "SamplingParams",
+    "TextPart",
+    "parse_chat_request",
+]
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+_ROLES = ("system", "user", "assistant")
+_MAX_STOP_STRINGS = 8
+_MAX_N = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    url: str
+    field: str  # where the URL sat in the body, for error messages
+    index: int  # position of this image among the request's images
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    parts: tuple[TextPart | ImagePart, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A structured-output constraint; ``key`` is canonical, so equal constraints share a cache entry."""
+
+    kind: GrammarKind
+    value: Any  # schema dict (json_schema), None (json_object), str (regex/grammar), list[str] (choice)
+    strict: bool = True
+    field: str = "response_format"
+
+    @property
+    def key(self) -> str:
+        body = json.dumps(self.value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return f"{self.kind}:{int(self.strict)}:{body}"
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    messages: tuple[Message, ...]
+    sampling: SamplingParams
+    grammar: GrammarSpec | None = None
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+
+    @property
+    def images(self) -> list[ImagePart]:
+        return [p for m in self.messages for p in m.parts if isinstance(p, ImagePart)]
+
+
+def _fail(message: str, field_name: str) -> InvalidRequest:
+    return InvalidRequest(message, field=field_name, stage="admission")
+
+
+def _get_number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _fail(f"'{name}' must be a number", name)
+    if not lo <= value <= hi:
+        raise _fail(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return float(value)
+
+
+def _get_int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(f"'{name}' must be an integer", name)
+    if not lo <= value <= hi:
+        raise _fail(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def _parse_parts(content: Any, where: str, images: list[ImagePart]) -> tuple[TextPart | ImagePart, ...]:
+    if isinstance(content, str):
+        return (TextPart(content),)
+    if not isinstance(content, list) or not content:
+        raise _fail("content must be a string or a non-empty list of parts", where)
+    parts: list[TextPart | ImagePart] = []
+    for j, part in enumerate(content):
+        pf = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _fail("a content part must be an object", pf)
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _fail("a text part needs a string 'text'", f"{pf}.text")
+            parts.append(TextPart(text))
+        elif kind == "image_url":
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str) or not url:
+                raise _fail("an image_url part needs a string 'url'", f"{pf}.image_url.url")
+            image = ImagePart(url=url, field=f"{pf}.image_url.url", index=len(images))
+            images.append(image)
+            parts.append(image)
+        else:
+            raise _fail(f"unknown content part type {kind!r} (expected 'text' or 'image_url')", f"{pf}.type")
+    return tuple(parts)
+
+
+def _parse_messages(raw: Any, max_images: int) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise _fail("'messages' must be a non-empty list", "messages")
+    images: list[ImagePart] = []
+    messages = []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _fail("a message must be an object", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _fail(f"role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
+        parts = _parse_parts(message.get("content"), f"{where}.content", images)
+        if role != "user" and any(isinstance(p, ImagePart) for p in parts):
+            raise _fail("only user messages may carry images", f"{where}.content")
+        messages.append(Message(role=role, parts=parts))
+    if len(images) > max_images:
+        raise _fail(f"{len(images)} images in one request; at most {max_images} are allowed", "messages")
+    if messages[-1].role == "assistant":
+        raise _fail("the last message must not be the assistant's", f"messages[{len(messages) - 1}].role")
+    return tuple(messages)
+
+
+def _parse_stop(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _fail("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > _MAX_STOP_STRINGS:
+        raise _fail(f"at most {_MAX_STOP_STRINGS} stop strings", "stop")
+    return tuple(stops)
+
+
+def _parse_sampling(body: dict[str, Any], default_max_tokens: int, max_model_len: int) -> SamplingParams:
+    max_tokens = body.get("max_completion_tokens")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        name = "max_tokens"
+    max_tokens = _get_int(body, name, default_max_tokens, 1, max_model_len)
+    assert max_tokens is not None
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _fail("'ignore_eos' must be a boolean", "ignore_eos")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_get_number(body, "top_p", 1.0, 1e-6, 1.0),
+        top_k=_get_int(body, "top_k", 0, 0, 1 << 20) or 0,
+        seed=_get_int(body, "seed", None, -(1 << 63), (1 << 63) - 1),
+        n=_get_int(body, "n", 1, 1, _MAX_N) or 1,
+        stop=_parse_stop(body.get("stop")),
+        ignore_eos=ignore_eos,
+    )
+
+
+def _parse_response_format(raw: Any) -> GrammarSpec | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _fail("'response_format' must be an object", "response_format")
+    kind = raw.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", None)
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _fail("'json_schema' must be an object", "response_format.json_schema")
+        schema = spec.get("schema")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise _fail(f"schema is not valid JSON: {exc}", "response_format.json_schema.schema") from None
+        if not isinstance(schema, dict | bool):
+            raise _fail("'schema' must be a JSON object", "response_format.json_schema.schema")
+        strict = spec.get("strict", True)
+        if not isinstance(strict, bool):
+            raise _fail("'strict' must be a boolean", "response_format.json_schema.strict")
+        return GrammarSpec("json_schema", schema, strict=strict, field="response_format.json_schema.schema")
+    raise _fail(
+        f"unknown response_format type {kind!r} (expected text, json_object or json_schema)",
+        "response_format.type",
+    )
+
+
+def _parse_extension_grammar(body: dict[str, Any]) -> GrammarSpec | None:
+    given = [name for name in ("regex", "grammar", "choice") if body.get(name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise _fail(f"give at most one of regex, grammar, choice (got {', '.join(given)})", given[1])
+    name = given[0]
+    value = body[name]
+    if name == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _fail("'choice' must be a non-empty list of non-empty strings", "choice")
+        return GrammarSpec("choice", list(value), field="choice")
+    if not isinstance(value, str) or not value:
+        raise _fail(f"'{name}' must be a non-empty string", name)
+    return GrammarSpec(name, value, field=name)  # type: ignore[arg-type]
+
+
+def parse_chat_request(
+    body: Any,
+    *,
+    max_images: int = 8,
+    default_max_tokens: int = 256,
+    max_model_len: int = 8192,
+    request_id: str | None = None,
+) -> ChatRequest:
+    """Validate an OpenAI chat-completions body.
+
+    :raises InvalidRequest: naming the first offending field.
+    """
+    if not isinstance(body, dict):
+        raise _fail("the request body must be a JSON object", "body")
+    grammar = _parse_response_format(body.get("response_format"))
+    extension = _parse_extension_grammar(body)
+    if grammar is not None and extension is not None:
+        raise _fail("response_format and a regex/grammar/choice constraint are exclusive", extension.field)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _fail("'stream' must be a boolean", "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise _fail("'stream_options' must be an object", "stream_options")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _fail("'model' must be a string", "model")
+    request = ChatRequest(
+        messages=_parse_messages(body.get("messages"), max_images),
+        sampling=_parse_sampling(body, default_max_tokens, max_model_len),
+        grammar=grammar or extension,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage", False)),
+        model=model,
+    )
+    if request_id is not None:
+        request.request_id = request_id
+    return request

@@ -1,0 +1,176 @@
+"""A Mistral/Llama-family decoder over a paged KV cache, in plain torch.
+
+Tokens of a step are flattened (``T`` rows); each query row attends to the keys of its own
+sequence, gathered from the cache through that sequence's block table. The same forward serves a
+prefill chunk (one sequence, ``T`` new tokens) and a decode step (``B`` sequences, one token each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["AttentionBatch", "LMConfig", "MistralLM"]
+
+
+@dataclass(frozen=True, slots=True)
+class LMConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, text_config: Any) -> LMConfig:
+        rope = getattr(text_config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        head_dim = getattr(text_config, "head_dim", None)
+        return cls(
+            vocab_size=text_config.vocab_size,
+            hidden_size=text_config.hidden_size,
+            intermediate_size=text_config.intermediate_size,
+            num_layers=text_config.num_hidden_layers,
+            num_heads=text_config.num_attention_heads,
+            num_kv_heads=text_config.num_key_value_heads,
+            head_dim=head_dim or text_config.hidden_size // text_config.num_attention_heads,
+            rms_norm_eps=text_config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(text_config, "rope_theta", 10_000.0))),
+            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+        )
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where a step's tokens go in the cache and which keys each query sees.
+
+    Queries are grouped ``[B, Tq]`` (decode: Tq = 1; prefill chunk: B = 1).
+    """
+
+    positions: torch.Tensor  # [B, Tq] absolute position of each query token
+    slot_mapping: torch.Tensor  # [B * Tq] flat cache slot each new token's K/V is written to
+    key_slots: torch.Tensor  # [B, L] flat cache slots of every key a row may see (padded)
+    key_valid: torch.Tensor  # [B, L] bool: slot holds a key of this sequence (not padding)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, Tq, hidden]
+        cos: torch.Tensor,  # [B, Tq, 1, head_dim]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        b, tq, _ = x.shape
+        q = self.q_proj(x).view(b, tq, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(b, tq, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(b, tq, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache.index_copy_(0, batch.slot_mapping, k.reshape(b * tq, cfg.num_kv_heads, cfg.head_dim))
+        v_cache.index_copy_(0, batch.slot_mapping, v.reshape(b * tq, cfg.num_kv_heads, cfg.head_dim))
+        # keys, values: [B, kv_heads, L, head_dim] gathered through the block tables
+        keys = k_cache[batch.key_slots].transpose(1, 2)
+        values = v_cache[batch.key_slots].transpose(1, 2)
+        # mask: [B, 1, Tq, L]: a key is visible if it belongs to the row and is not in its future
+        key_pos = torch.arange(batch.key_slots.shape[1], device=x.device)
+        mask = (key_pos[None, None, :] <= batch.positions[:, :, None]) & batch.key_valid[:, None, :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, tq, cfg.num_heads * cfg.head_dim))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+
+class MistralLM(nn.Module):
+    """Decoder-only language model; parameter names follow Hugging Face's Mistral/Llama layout."""
+
+    def __init__(self, cfg: LMConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, Tq, hidden]
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states ``[B, Tq, hidden]`` after the final norm."""
+        cos = self.rope_cos[batch.positions].unsqueeze(2).to(embeds.dtype)
+        sin = self.rope_sin[batch.positions].unsqueeze(2).to(embeds.dtype)
+        h = embeds
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, batch)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in fp32 (sampling and masking want full precision)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,126 @@
+"""Loads the language model from a checkpoint and runs prefill chunks and batched decode steps."""
+
+from __future__ import annotations
+
+import torch
+
+from sampling.kv_cache import allocate_kv_caches
+from sampling.model import AttentionBatch, LMConfig, MistralLM
+from vision.checkpoint import Checkpoint
+
+__all__ = ["ModelRunner"]
+
+# Where a Hugging Face checkpoint keeps the decoder: Llava-style VLMs, then plain causal LMs.
+_BODY_PREFIXES = ("language_model.model.", "model.language_model.", "model.")
+_HEAD_PREFIXES = ("language_model.lm_head.", "lm_head.")
+
+
+class ModelRunner:
+    """Owns the weights and the KV cache; every call is synchronous and runs on ``device``."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        device: str,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.cfg = LMConfig.from_hf(checkpoint.text_config)
+        self.block_size = block_size
+        self.image_token_id = checkpoint.image_token_id
+        self.model = MistralLM(self.cfg, max_model_len)
+        self._load(checkpoint)
+        self.model.to(self.device, self.dtype).eval()
+        self.kv_caches = allocate_kv_caches(
+            self.cfg.num_layers,
+            num_blocks,
+            block_size,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    def _load(self, checkpoint: Checkpoint) -> None:
+        weights = checkpoint.load_weights(_BODY_PREFIXES)
+        weights = {k: v for k, v in weights.items() if not k.startswith(("vision_tower", "multi_modal"))}
+        head = checkpoint.load_weights(_HEAD_PREFIXES)
+        if "weight" in head:
+            weights["lm_head.weight"] = head["weight"]
+        elif self.cfg.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["embed_tokens.weight"]
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        unexpected = [u for u in unexpected if "rotary_emb" not in u]
+        if missing or unexpected:
+            raise ValueError(f"language model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> list[int]:
+        return [block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(num_tokens)]
+
+    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
+        embeds = self.model.embed_tokens(token_ids)
+        if image_rows is not None and image_rows.numel():
+            is_image = token_ids == self.image_token_id
+            embeds[is_image] = image_rows.to(self.device, self.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: list[int],
+        start: int,
+        block_table: list[int],
+        image_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run the chunk ``token_ids`` at positions ``start...`` of one sequence; logits ``[1, vocab]``
+        of its last token. ``image_rows`` holds the embedding of each image token in the chunk."""
+        end = start + len(token_ids)
+        slots = self._slots(block_table, end)
+        ids = torch.tensor(token_ids, device=self.device)
+        batch = AttentionBatch(
+            positions=torch.arange(start, end, device=self.device)[None],
+            slot_mapping=torch.tensor(slots[start:], device=self.device),
+            key_slots=torch.tensor(slots, device=self.device)[None],
+            key_valid=torch.ones(1, end, dtype=torch.bool, device=self.device),
+        )
+        hidden = self.model(self._embed(ids, image_rows)[None], batch, self.kv_caches)
+        return self.model.compute_logits(hidden[0, -1:])
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """One token for each of B sequences; logits ``[B, vocab]``."""
+        bs = self.block_size
+        max_len = max(positions) + 1
+        key_slots = torch.zeros(len(token_ids), max_len, dtype=torch.long)
+        key_valid = torch.zeros(len(token_ids), max_len, dtype=torch.bool)
+        slot_mapping = []
+        for row, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
+            blocks = torch.tensor(table[: pos // bs + 1])
+            # slots: [num_blocks * bs] in position order
+            slots = (blocks[:, None] * bs + torch.arange(bs)[None]).flatten()[: pos + 1]
+            key_slots[row, : pos + 1] = slots
+            key_valid[row, : pos + 1] = True
+            slot_mapping.append(int(slots[pos]))
+        batch = AttentionBatch(
+            positions=torch.tensor(positions, device=self.device)[:, None],
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            key_slots=key_slots.to(self.device, non_blocking=True),
+            key_valid=key_valid.to(self.device, non_blocking=True),
+        )
+        embeds = self.model.embed_tokens(torch.tensor(token_ids, device=self.device))[:, None]
+        hidden = self.model(embeds, batch, self.kv_caches)
+        return self.model.compute_logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of blocks ``src`` into ``dst`` (n > 1 children share their parent's prefill)."""
+        bs = self.block_size
+        src_slots = (torch.tensor(src)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        dst_slots = (torch.tensor(dst)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst_slots] = k_cache[src_slots]
+            v_cache[dst_slots] = v_cache[src_slots]

@@ -1,0 +1,98 @@
+"""Reads a Hugging Face checkpoint folder: config, tokenizer, image processor, weights by prefix.
+
+The embedded default model and a user's checkpoint go through this same code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vision.default_checkpoint import ensure_default_checkpoint
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+
+@dataclass
+class Checkpoint:
+    """One checkpoint folder; every part is loaded on first use and then kept."""
+
+    path: Path
+    _weights_by_file: dict[str, list[str]] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    @cached_property
+    def text_config(self) -> Any:
+        return getattr(self.config, "text_config", self.config)
+
+    @cached_property
+    def vision_config(self) -> Any | None:
+        return getattr(self.config, "vision_config", None)
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    @cached_property
+    def image_processor(self) -> Any | None:
+        if not (self.path / "preprocessor_config.json").exists():
+            return None
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(self.path)
+
+    @cached_property
+    def image_token_id(self) -> int | None:
+        value = getattr(self.config, "image_token_index", None) or getattr(self.config, "image_token_id", None)
+        return int(value) if value is not None else None
+
+    @cached_property
+    def model_name(self) -> str:
+        return self.path.name
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [self.path / name for name in names]
+        single = self.path / "model.safetensors"
+        if not single.exists():
+            raise FileNotFoundError(f"no safetensors weights in {self.path}")
+        return [single]
+
+    def load_weights(self, prefixes: tuple[str, ...], *, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Tensors whose names start with one of ``prefixes``, with that prefix removed."""
+        from safetensors import safe_open
+
+        found: dict[str, torch.Tensor] = {}
+        for file in self._weight_files():
+            with safe_open(str(file), framework="pt", device=device) as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    for prefix in prefixes:
+                        if name.startswith(prefix):
+                            found[name[len(prefix) :]] = handle.get_tensor(name)
+                            break
+        return found
+
+
+def open_checkpoint(model: str | None, cache_dir: Path) -> Checkpoint:
+    """The checkpoint at ``model``, or the embedded default (written once into ``cache_dir``) when None.
+
+    :raises FileNotFoundError: if ``model`` is not a folder with a config.json.
+    """
+    path = ensure_default_checkpoint(cache_dir) if model is None else Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
+    return Checkpoint(path=path)

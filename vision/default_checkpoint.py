@@ -1,0 +1,112 @@
+"""The embedded default model: a tiny seeded Pixtral-style VLM written as a Hugging Face checkpoint.
+
+It needs no download: the tokenizer is the real Pixtral one (``tekken_240911.json``, 131,072 tokens,
+shipped inside mistral-common) converted with transformers' converter, whose generated chat template
+places ``[IMG]`` for image parts. The weights are random but seeded, so the same seed writes the same
+bytes. The folder is then loaded by the same code that loads a user's checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["DEFAULT_SEED", "ensure_default_checkpoint", "tekken_tokenizer_path", "write_default_checkpoint"]
+
+DEFAULT_SEED = 1234
+_FORMAT_VERSION = "1"  # bump when the architecture below changes, so old caches are rebuilt
+IMAGE_LONGEST_EDGE = 512
+PATCH_SIZE = 16
+
+
+def tekken_tokenizer_path() -> str:
+    """Path of the Pixtral tokenizer file that mistral-common ships."""
+    import mistral_common
+
+    return os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
+
+
+def _model_config():  # type: ignore[no-untyped-def]
+    from transformers import LlavaConfig, MistralConfig, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        num_channels=3,
+        image_size=IMAGE_LONGEST_EDGE,
+        patch_size=PATCH_SIZE,
+        rope_theta=10_000.0,
+    )
+    text = MistralConfig(
+        vocab_size=131_072,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32_768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=10,  # "[IMG]" in tekken
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+    )
+
+
+def write_default_checkpoint(folder: Path, *, seed: int = DEFAULT_SEED) -> None:
+    """Write config, safetensors weights, tokenizer and image processor files into ``folder``."""
+    import torch
+    from transformers import LlavaForConditionalGeneration, PixtralImageProcessor
+    from transformers.integrations.mistral import convert_tekken_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(_model_config()).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer = convert_tekken_tokenizer(tekken_tokenizer_path())
+    tokenizer.save_pretrained(folder)
+    processor = PixtralImageProcessor(
+        size={"longest_edge": IMAGE_LONGEST_EDGE}, patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE}
+    )
+    processor.save_pretrained(folder)
+    (folder / "EMBEDDED_DEFAULT").write_text(f"seed={seed} format={_FORMAT_VERSION}\n")
+
+
+def ensure_default_checkpoint(cache_dir: Path, *, seed: int = DEFAULT_SEED) -> Path:
+    """Return the embedded checkpoint folder under ``cache_dir``, writing it once if missing.
+
+    The folder is built beside its final place and renamed in, so concurrent processes and
+    interrupted writes never leave a half-written checkpoint behind.
+    """
+    target = Path(cache_dir) / f"embedded-pixtral-tiny-s{seed}-v{_FORMAT_VERSION}"
+    if (target / "EMBEDDED_DEFAULT").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        write_default_checkpoint(staging, seed=seed)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "EMBEDDED_DEFAULT").exists():
+                raise  # not a lost race with another writer: a real failure
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,81 @@
+"""The vision encoder: Pixtral vision tower + Llava projector, loaded from a checkpoint folder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vision.checkpoint import Checkpoint
+from vision.preprocess import PreparedImage
+
+__all__ = ["VisionEncoder"]
+
+
+class _Projector(nn.Module):
+    """Llava's two-layer projector from vision width to the language model's width."""
+
+    def __init__(self, vision_width: int, text_width: int, act: str, bias: bool) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.linear_1 = nn.Linear(vision_width, text_width, bias=bias)
+        self.act = ACT2FN[act]
+        self.linear_2 = nn.Linear(text_width, text_width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class VisionEncoder:
+    """Encodes a batch of prepared images into one embedding row per ``[IMG]`` token."""
+
+    def __init__(self, checkpoint: Checkpoint, *, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        from transformers import PixtralVisionModel
+
+        config = checkpoint.config
+        if checkpoint.vision_config is None:
+            raise ValueError(f"{checkpoint.path} has no vision_config: not a vision-language checkpoint")
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.tower = PixtralVisionModel(checkpoint.vision_config)
+        self.projector = _Projector(
+            checkpoint.vision_config.hidden_size,
+            checkpoint.text_config.hidden_size,
+            getattr(config, "projector_hidden_act", "gelu"),
+            bool(getattr(config, "multimodal_projector_bias", True)),
+        )
+        _load(self.tower, checkpoint.load_weights(("vision_tower.",)), "vision_tower")
+        _load(self.projector, checkpoint.load_weights(("multi_modal_projector.",)), "multi_modal_projector")
+        self.tower.to(self.device, self.dtype).eval()
+        self.projector.to(self.device, self.dtype).eval()
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.projector.linear_2.out_features)
+
+    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        """One tensor ``[num_patches, hidden]`` per image, on the CPU in the model's dtype."""
+        if not images:
+            return []
+        height = max(im.pixel_values.shape[1] for im in images)
+        width = max(im.pixel_values.shape[2] for im in images)
+        # pixel_values: [B, 3, H_max, W_max], zero-padded; the tower crops each back to image_sizes
+        batch = torch.zeros(len(images), 3, height, width, dtype=self.dtype)
+        for i, im in enumerate(images):
+            batch[i, :, : im.pixel_values.shape[1], : im.pixel_values.shape[2]] = im.pixel_values
+        sizes = [tuple(im.pixel_values.shape[1:]) for im in images]
+        with torch.inference_mode():
+            out: Any = self.tower(batch.to(self.device, non_blocking=True), image_sizes=sizes)
+            # last_hidden_state: [1, sum(num_patches), vision_hidden], images concatenated
+            features = self.projector(out.last_hidden_state[0])
+        return list(features.to("cpu").split([im.num_patches for im in images]))
+
+
+def _load(module: nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    # rotary inverse frequencies are buffers the tower computes itself
+    missing = [m for m in missing if "inv_freq" not in m]
+    if missing or unexpected:
+        raise ValueError(f"{name} weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")

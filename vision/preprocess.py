@@ -1,0 +1,75 @@
+"""Image → model input: the checkpoint's image processor, and the image-token layout it implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+__all__ = ["ImageTokenIds", "PreparedImage", "expand_image_tokens", "preprocess_image"]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedImage:
+    pixel_values: torch.Tensor  # [3, H, W], H and W multiples of the patch size
+    num_rows: int  # patches down
+    num_cols: int  # patches across
+
+    @property
+    def num_patches(self) -> int:
+        return self.num_rows * self.num_cols
+
+
+@dataclass(frozen=True, slots=True)
+class ImageTokenIds:
+    image: int  # "[IMG]": one per patch, replaced by the patch's embedding
+    row_break: int  # "[IMG_BREAK]": ends every row but the last
+    image_end: int  # "[IMG_END]": ends the image
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, image_token_id: int) -> ImageTokenIds:
+        return cls(
+            image=image_token_id,
+            row_break=int(tokenizer.convert_tokens_to_ids("[IMG_BREAK]")),
+            image_end=int(tokenizer.convert_tokens_to_ids("[IMG_END]")),
+        )
+
+
+def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
+    """Resize, rescale and normalise one RGB image with the checkpoint's processor (CPU, ~ms)."""
+    patch = processor.patch_size
+    patch_h = patch["height"] if isinstance(patch, dict) else patch
+    patch_w = patch["width"] if isinstance(patch, dict) else patch
+    out = processor(images=[image], return_tensors="pt")
+    height, width = (int(v) for v in out["image_sizes"][0])
+    pixels = out["pixel_values"][0][:, :height, :width].contiguous()
+    return PreparedImage(pixel_values=pixels, num_rows=height // patch_h, num_cols=width // patch_w)
+
+
+def expand_image_tokens(
+    token_ids: list[int], images: list[PreparedImage], ids: ImageTokenIds
+) -> list[int]:
+    """Replace the i-th ``[IMG]`` placeholder with the i-th image's grid of tokens.
+
+    Pixtral's layout: each row is ``num_cols`` × ``[IMG]`` then ``[IMG_BREAK]``; the last row ends
+    with ``[IMG_END]`` instead.
+
+    :raises ValueError: if the number of placeholders differs from the number of images.
+    """
+    num_placeholders = token_ids.count(ids.image)
+    if num_placeholders != len(images):
+        raise ValueError(f"{num_placeholders} image placeholders for {len(images)} images")
+    out: list[int] = []
+    next_image = iter(images)
+    for token in token_ids:
+        if token != ids.image:
+            out.append(token)
+            continue
+        image = next(next_image)
+        row = [ids.image] * image.num_cols
+        for r in range(image.num_rows):
+            out.extend(row)
+            out.append(ids.image_end if r == image.num_rows - 1 else ids.row_break)
+    return out
