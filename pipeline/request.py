@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline.errors import InvalidRequest
+from sampling.params import SamplingParams
 
 __all__ = [
     "ChatRequest",
@@ -46,22 +47,6 @@ class ImagePart:
 class Message:
     role: str
     parts: tuple[TextPart | ImagePart, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 @dataclass(frozen=True, slots=True)

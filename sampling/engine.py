@@ -1,0 +1,288 @@
+"""LLMEngine: continuous batching with xgrammar-guided sampling; ``step()`` reads as three verbs.
+
+``step()`` = ``schedule()``, ``run()`` and ``postprocess()``. In ``run()`` the forward pass is
+launched on the forward thread (on CUDA: kernels queued on the device) and, while it runs, the host
+fills the grammar bitmask for the same step; then the mask is applied to the guided rows, tokens are
+sampled, copied back and accepted by the matchers in one batched call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from sampling.detokenizer import Detokenizer, TokenBytes
+from sampling.guided import GuidedDecoder, new_matcher
+from sampling.inputs import EngineInput, SeqOutput
+from sampling.kv_cache import BlockAllocator
+from sampling.model_runner import ModelRunner
+from sampling.overlap import HostCopier
+from sampling.sampler import sample
+from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
+from sampling.sequence import SeqState, Sequence
+from sampling.stop import StopChecker
+
+__all__ = ["LLMEngine", "StepTiming"]
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Seconds spent in each part of one step (for the benchmark's timeline)."""
+
+    kind: str
+    batch: int
+    forward: float = 0.0  # on the forward thread
+    fill: float = 0.0  # host, concurrent with forward
+    wait: float = 0.0  # host waiting for the forward after its fill
+    apply: float = 0.0
+    sample: float = 0.0
+    copy: float = 0.0
+    accept: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class _Request:
+    inp: EngineInput
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Synchronous engine core; drive it from one thread with ``add``, ``abort`` and ``step``."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        token_bytes: TokenBytes,
+        *,
+        eos_token_ids: list[int],
+        num_blocks: int,
+        max_running: int = 32,
+        chunk_tokens: int = 2048,
+        record_timeline: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.token_bytes = token_bytes
+        self.eos_token_ids = eos_token_ids
+        self.scheduler = Scheduler(
+            BlockAllocator(num_blocks),
+            block_size=runner.block_size,
+            max_running=max_running,
+            chunk_tokens=chunk_tokens,
+        )
+        self.guided = GuidedDecoder(runner.cfg.vocab_size, max_running * 2, runner.device)
+        self.copier = HostCopier(runner.device, max_running * 2)
+        self._forward = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.record_timeline = record_timeline
+        self.timeline: list[StepTiming] = []
+
+    # -- requests ---------------------------------------------------------------------------
+    def _new_seq(self, inp: EngineInput, index: int, num_siblings: int = 1) -> Sequence:
+        generator = None
+        if not inp.sampling.is_greedy:
+            generator = torch.Generator(device=self.runner.device)
+            seed = inp.sampling.seed if inp.sampling.seed is not None else torch.seed()
+            generator.manual_seed((seed * 1_000_003 + index) & 0xFFFF_FFFF_FFFF_FFFF)
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=inp.request_id,
+            index=index,
+            prompt_ids=list(inp.prompt_token_ids),
+            image_embeds=inp.image_embeds,
+            params=inp.sampling,
+            grammar=inp.grammar,
+            detokenizer=Detokenizer(self.token_bytes),
+            generator=generator,
+            stop=StopChecker(inp.sampling.stop),
+            num_siblings=num_siblings,
+        )
+
+    def add(self, inp: EngineInput) -> None:
+        """Queue a request; its ``n`` sequences share one prefill."""
+        if inp.request_id in self._requests:
+            raise ValueError(f"request {inp.request_id} is already in the engine")
+        seq = self._new_seq(inp, 0, inp.sampling.n)
+        self._requests[inp.request_id] = _Request(inp, [seq])
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its slots, blocks and matchers now."""
+        request = self._requests.pop(request_id, None)
+        for seq in request.seqs if request else ():
+            self.scheduler.release(seq)
+            seq.matcher = None
+            seq.state = SeqState.FINISHED
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        """Run one scheduled step; the outputs of every sequence that produced a token."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        timing = StepTiming("prefill" if isinstance(scheduled, PrefillStep) else "decode", 0)
+        started = time.perf_counter()
+        try:
+            seqs, tokens = self._run(scheduled, timing)
+            outputs = self._postprocess(seqs, tokens, timing) if seqs else []
+        except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
+            failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
+            return [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
+        timing.total = time.perf_counter() - started
+        if self.record_timeline:
+            self.timeline.append(timing)
+        return outputs
+
+    def _ensure_matcher(self, seq: Sequence) -> None:
+        if seq.grammar is not None and seq.matcher is None:
+            seq.matcher = new_matcher(seq.grammar, seq.output_ids)
+
+    def _run(self, step: PrefillStep | DecodeStep, timing: StepTiming) -> tuple[list[Sequence], list[int]]:
+        runner = self.runner
+        if isinstance(step, PrefillStep):
+            seq = step.seq
+            chunk = seq.tokens(step.start, step.end)
+            image_rows = seq.image_rows(step.start, step.end, runner.image_token_id)
+            launch = self._forward.submit(
+                self._timed, timing, runner.prefill, chunk, step.start, seq.block_table, image_rows
+            )
+            if not step.is_last_chunk:
+                launch.result()
+                seq.num_computed = step.end
+                return [], []
+            seqs = [seq]
+        else:
+            seqs = step.seqs
+            launch = self._forward.submit(
+                self._timed,
+                timing,
+                runner.decode,
+                [s.token_at(s.num_tokens - 1) for s in seqs],
+                [s.num_tokens - 1 for s in seqs],
+                [s.block_table for s in seqs],
+            )
+        # while the forward pass runs: build missing matchers and fill this step's bitmask
+        fill_started = time.perf_counter()
+        for s in seqs:
+            self._ensure_matcher(s)
+        guided_rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if guided_rows:
+            self.guided.fill([seqs[i].matcher for i in guided_rows], guided_rows)
+        timing.fill = time.perf_counter() - fill_started
+        logits = launch.result()
+        timing.wait = time.perf_counter() - fill_started - timing.fill
+        if isinstance(step, PrefillStep):
+            step.seq.num_computed = step.end
+            if step.seq.num_siblings > 1 and not step.seq.has_forked:
+                seqs = self._fork(step.seq)
+                guided_rows = list(range(len(seqs))) if guided_rows else []
+                logits = logits.expand(len(seqs), -1).contiguous()
+        else:
+            for s in seqs:
+                s.num_computed = s.num_tokens
+        timing.batch = len(seqs)
+        return seqs, self._sample(seqs, logits, guided_rows, timing)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the parent's siblings, each with a copy of its prefilled K/V and its own matcher."""
+        request = self._requests[parent.request_id]
+        children = [self._new_seq(request.inp, i) for i in range(1, parent.num_siblings)]
+        for child in children:
+            self.scheduler.fork(parent, child)
+            self.runner.copy_blocks(parent.block_table, child.block_table)
+            self._ensure_matcher(child)
+            if child.matcher is not None:  # a fresh matcher's mask equals the parent's row 0
+                self.guided.host_bitmask[child.index] = self.guided.host_bitmask[0]
+        parent.has_forked = True
+        request.seqs += children
+        return [parent, *children]
+
+    def _timed(self, timing: StepTiming, fn, *args):  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        out = fn(*args)
+        if out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # timing only; the default path never waits here
+        timing.forward = time.perf_counter() - started
+        return out
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, guided_rows: list[int], timing: StepTiming
+    ) -> list[int]:
+        t0 = time.perf_counter()
+        if guided_rows:
+            self.guided.apply(logits, guided_rows)
+        for row, s in enumerate(seqs):
+            if s.params.ignore_eos and s.matcher is None:
+                logits[row, self.eos_token_ids] = float("-inf")
+        t1 = time.perf_counter()
+        ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        t2 = time.perf_counter()
+        tokens = self.copier.start(ids)()
+        t3 = time.perf_counter()
+        timing.apply, timing.sample, timing.copy = t1 - t0, t2 - t1, t3 - t2
+        return tokens
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int], timing: StepTiming) -> list[SeqOutput]:
+        t0 = time.perf_counter()
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        accepted = dict(
+            zip(
+                guided,
+                self.guided.accept([seqs[i].matcher for i in guided], [tokens[i] for i in guided]),
+                strict=True,
+            )
+        )
+        timing.accept = time.perf_counter() - t0
+        outputs = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if not accepted.get(row, True):
+                outputs += self._fail(seq, f"token {token} was rejected by the grammar")
+                continue
+            outputs.append(self._advance(seq, token))
+        return outputs
+
+    def _advance(self, seq: Sequence, token: int) -> SeqOutput:
+        seq.output_ids.append(token)
+        is_eos = token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
+        stop = seq.stop
+        text = "" if is_eos else stop.feed(seq.detokenizer.add(token))
+        reason = None
+        if is_eos or (seq.matcher is not None and seq.matcher.is_terminated()) or stop.hit:
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            text += stop.flush(seq.detokenizer.flush())
+            self._finish(seq, reason)
+        return SeqOutput(seq.request_id, seq.index, [token], text, reason, None, len(seq.prompt_ids))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
+        seq.matcher = None
+        self.scheduler.release(seq)
+        request = self._requests.get(seq.request_id)
+        if request and all(s.state is SeqState.FINISHED for s in request.seqs):
+            del self._requests[seq.request_id]
+
+    def _fail(self, seq: Sequence, message: str) -> list[SeqOutput]:
+        """Fail ``seq`` alone; a parent that fails before forking fails its unborn siblings too."""
+        seq.error = message
+        self._finish(seq, "error")
+        unborn = range(1, seq.num_siblings) if not seq.has_forked else range(0)
+        return [
+            SeqOutput(seq.request_id, index, [], "", "error", message, len(seq.prompt_ids))
+            for index in [seq.index, *unborn]
+        ]

@@ -1,0 +1,56 @@
+"""Guided decoding with xgrammar: one matcher per sequence, batched fill, apply and accept.
+
+The fill runs on the host while the forward pass runs (the engine arranges that); it is one
+``BatchGrammarMatcher`` call that releases the GIL, not one Python call per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+__all__ = ["GuidedDecoder", "new_matcher"]
+
+
+def new_matcher(grammar: Any, replay: list[int] = ()) -> xgr.GrammarMatcher:  # type: ignore[assignment]
+    """A fresh matcher for one sequence, advanced over ``replay`` (tokens it had accepted before a
+    preemption), so a recomputed sequence never continues from a stale grammar state.
+
+    :raises ValueError: if a replayed token is rejected.
+    """
+    matcher = xgr.GrammarMatcher(grammar)
+    for token in replay:
+        if not matcher.accept_token(token):
+            raise ValueError(f"replayed token {token} rejected by the grammar")
+    return matcher
+
+
+class GuidedDecoder:
+    """Owns the host bitmask (pinned on CUDA) and its device copy."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, *, max_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.host_bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
+        if device.type == "cuda":
+            self.host_bitmask = self.host_bitmask.pin_memory()
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+
+    def fill(self, matchers: list[xgr.GrammarMatcher], rows: list[int]) -> None:
+        """Fill the bitmask rows ``rows`` from ``matchers`` (host work; releases the GIL)."""
+        self._batch.batch_fill_next_token_bitmask(matchers, self.host_bitmask, rows)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Mask disallowed tokens of the guided ``rows`` of ``logits`` ``[B, vocab]`` to -inf, in place."""
+        bitmask = self.host_bitmask[: logits.shape[0]]
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+    @staticmethod
+    def accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
+        if not matchers:
+            return []
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)

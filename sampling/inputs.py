@@ -1,0 +1,42 @@
+"""EngineInput: what the request pipeline hands the decode engine, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sampling.params import SamplingParams
+
+__all__ = ["EngineInput", "SeqOutput"]
+
+
+@dataclass(slots=True)
+class EngineInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    image_token_id: int
+    image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
+    sampling: SamplingParams
+    grammar: Any | None = None  # xgrammar.CompiledGrammar
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage
+
+    def __post_init__(self) -> None:
+        num_image_tokens = sum(1 for t in self.prompt_token_ids if t == self.image_token_id)
+        rows = 0 if self.image_embeds is None else int(self.image_embeds.shape[0])
+        if rows != num_image_tokens:
+            raise ValueError(f"{num_image_tokens} image tokens in the prompt but {rows} embedding rows")
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What one step produced for one sequence (choice ``index`` of request ``request_id``)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "error" or None while running
+    error: str | None = None
+    num_prompt_tokens: int = 0

@@ -1,0 +1,48 @@
+"""Turns logits into token ids: a greedy fast path, and per-row seeded sampling.
+
+Each sampled row draws its noise from its own generator, a fixed amount per step, so a seeded
+sequence produces the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sampling.params import SamplingParams
+
+__all__ = ["sample"]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    # logits: [vocab], already divided by the temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens before it already reach top_p (the first one always stays)
+        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,  # [B, vocab], fp32, masked tokens at -inf
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """One token id per row, ``[B]`` int64 on the logits' device."""
+    greedy = logits.argmax(-1)
+    if all(p.is_greedy for p in params):
+        return greedy
+    out = greedy.clone()
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.is_greedy:
+            continue
+        scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = scaled.softmax(-1)
+        # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), draws token i with probability p_i
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        out[row] = (probs / noise).argmax()
+    return out

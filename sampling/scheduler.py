@@ -1,0 +1,129 @@
+"""Continuous batching: which sequences run this step, KV blocks, preemption.
+
+A step is either one prefill chunk of one sequence or one decode token for every running sequence.
+Prefill and decode steps alternate while both have work, so a long prompt never stalls running
+decodes for more than one chunk at a time. When KV blocks run out, the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from its prompt plus what it had generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sampling.kv_cache import BlockAllocator, blocks_needed
+from sampling.sequence import SeqState, Sequence
+
+__all__ = ["DecodeStep", "PrefillStep", "Scheduler"]
+
+
+@dataclass(slots=True)
+class PrefillStep:
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    seqs: list[Sequence]
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: BlockAllocator, *, block_size: int, max_running: int, chunk_tokens: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        seq.block_table += self.allocator.allocate(self._blocks_for(seq, num_tokens))
+
+    def release(self, seq: Sequence) -> None:
+        """Free everything ``seq`` holds in the cache and forget it."""
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.release(seq)
+        seq.matcher = None  # rebuilt by replaying output_ids when it runs again
+        seq.state = SeqState.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit(self) -> Sequence | None:
+        if not self.waiting or len(self.running) >= self.max_running:
+            return None
+        seq = self.waiting[0]
+        # the whole prompt plus one decode token, for the sequence and each child it will fork into
+        need = blocks_needed(seq.num_tokens + 1, self.block_size) * seq.num_siblings
+        if need > self.allocator.num_free:
+            return None
+        self.waiting.popleft()
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def schedule(self) -> PrefillStep | DecodeStep | None:
+        prefilling = next((s for s in self.running if s.is_prefilling), None)
+        decoding = [s for s in self.running if not s.is_prefilling]
+        want_prefill = prefilling is not None or bool(self.waiting)
+        if want_prefill and not (decoding and self._last_was_prefill):
+            seq = prefilling or self._admit()
+            if seq is not None:
+                start = seq.num_computed
+                end = min(seq.num_tokens, start + self.chunk_tokens)
+                self._grow(seq, end)
+                self._last_was_prefill = True
+                return PrefillStep(seq, start, end)
+        self._last_was_prefill = False
+        if not decoding:
+            return None
+        return self._schedule_decode(decoding)
+
+    def _schedule_decode(self, decoding: list[Sequence]) -> DecodeStep | None:
+        for seq in list(decoding):
+            if seq not in decoding:
+                continue  # preempted to make room for an older one
+            while self._blocks_for(seq, seq.num_tokens) > self.allocator.num_free:
+                victim = self.running[-1]
+                if victim is seq and len(decoding) == 1:
+                    raise MemoryError("KV cache too small for a single sequence")
+                self._preempt(victim)
+                if victim in decoding:
+                    decoding.remove(victim)
+                if victim is seq:
+                    break
+            if seq in decoding:
+                self._grow(seq, seq.num_tokens)
+        return DecodeStep(decoding) if decoding else None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` its own copy of ``parent``'s blocks (the caller copies the K/V)."""
+        child.block_table = self.allocator.allocate(len(parent.block_table))
+        child.num_computed = parent.num_computed
+        child.state = SeqState.RUNNING
+        self.running.append(child)

@@ -1,0 +1,69 @@
+"""One generated sequence and its state; only the scheduler changes ``state``."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sampling.detokenizer import Detokenizer
+from sampling.params import SamplingParams
+from sampling.stop import StopChecker
+
+__all__ = ["SeqState", "Sequence"]
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"  # not in the KV cache (new, or preempted and waiting for recompute)
+    RUNNING = "running"  # has KV blocks; prefilling (num_computed < len - 1) or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # choice index within its request (n > 1)
+    prompt_ids: list[int]
+    image_embeds: torch.Tensor | None
+    params: SamplingParams
+    grammar: Any | None
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    stop: StopChecker
+    num_siblings: int = 1  # n: this sequence forks into n after its prefill
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    matcher: Any | None = None  # xgrammar.GrammarMatcher, rebuilt after a preemption
+    state: SeqState = SeqState.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    has_forked: bool = False  # its n - 1 siblings exist
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until every token but the last sampled one has its K/V in the cache."""
+        return self.num_computed < self.num_tokens - (1 if self.output_ids else 0)
+
+    def image_rows(self, start: int, end: int, image_token_id: int | None) -> torch.Tensor | None:
+        """Embedding rows of the prompt's image tokens that fall in positions ``[start, end)``."""
+        if self.image_embeds is None or image_token_id is None or start >= len(self.prompt_ids):
+            return None
+        before = sum(1 for t in self.prompt_ids[:start] if t == image_token_id)
+        inside = sum(1 for t in self.prompt_ids[start:end] if t == image_token_id)
+        return self.image_embeds[before : before + inside]
