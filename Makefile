@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m pipeline demo
+	$(PY) -m pipeline serve --demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

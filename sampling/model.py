@@ -114,9 +114,7 @@ class _Attention(nn.Module):
         # mask: [B, 1, Tq, L]: a key is visible if it belongs to the row and is not in its future
         key_pos = torch.arange(batch.key_slots.shape[1], device=x.device)
         mask = (key_pos[None, None, :] <= batch.positions[:, :, None]) & batch.key_valid[:, None, :]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, cfg.num_heads * cfg.head_dim))
 
 

@@ -56,15 +56,10 @@ class ModelRunner:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         unexpected = [u for u in unexpected if "rotary_emb" not in u]
         if missing or unexpected:
-            raise ValueError(
-                f"language model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+            raise ValueError(f"language model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
     def _slots(self, block_table: list[int], num_tokens: int) -> list[int]:
-        return [
-            block_table[p // self.block_size] * self.block_size + p % self.block_size
-            for p in range(num_tokens)
-        ]
+        return [block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(num_tokens)]
 
     def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
         embeds = self.model.embed_tokens(token_ids)
@@ -96,9 +91,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[0, -1:])
 
     @torch.inference_mode()
-    def decode(
-        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
-    ) -> torch.Tensor:
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One token for each of B sequences; logits ``[B, vocab]``."""
         bs = self.block_size
         max_len = max(positions) + 1

@@ -34,9 +34,7 @@ class DecodeStep:
 
 
 class Scheduler:
-    def __init__(
-        self, allocator: BlockAllocator, *, block_size: int, max_running: int, chunk_tokens: int
-    ) -> None:
+    def __init__(self, allocator: BlockAllocator, *, block_size: int, max_running: int, chunk_tokens: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_running = max_running

@@ -48,9 +48,7 @@ def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
     return PreparedImage(pixel_values=pixels, num_rows=height // patch_h, num_cols=width // patch_w)
 
 
-def expand_image_tokens(
-    token_ids: list[int], images: list[PreparedImage], ids: ImageTokenIds
-) -> list[int]:
+def expand_image_tokens(token_ids: list[int], images: list[PreparedImage], ids: ImageTokenIds) -> list[int]:
     """Replace the i-th ``[IMG]`` placeholder with the i-th image's grid of tokens.
 
     Pixtral's layout: each row is ``num_cols`` × ``[IMG]`` then ``[IMG_BREAK]``; the last row ends

@@ -1,0 +1,131 @@
+"""Command line: ``python -m pipeline serve|bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import sys
+from dataclasses import replace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "caption": {"type": "string", "maxLength": 40},
+        "dominant_color": {"type": "string", "enum": ["red", "green", "blue", "other"]},
+        "objects": {"type": "integer", "minimum": 0, "maximum": 20},
+    },
+    "required": ["caption", "dominant_color", "objects"],
+    "additionalProperties": False,
+}
+
+
+def demo_request() -> dict[str, object]:
+    """A multimodal, schema-guided chat request with an image made on the spot."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (320, 240), (30, 60, 200))
+    ImageDraw.Draw(image).ellipse((100, 60, 220, 180), fill=(230, 40, 40))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe this image as JSON."},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "description", "schema": DEMO_SCHEMA, "strict": True},
+        },
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+
+
+async def _send_demo(port: int) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=demo_request()) as resp:
+            body = await resp.json()
+    print(f"POST /v1/chat/completions (image + json_schema) -> {resp.status}")
+    if resp.status != 200:
+        print(json.dumps(body, indent=2))
+        return
+    choice = body["choices"][0]
+    print(f"finish_reason: {choice['finish_reason']}   usage: {body['usage']}")
+    print("content:", choice["message"]["content"])
+    print("stage timings (s):", {k: round(v, 4) for k, v in body["timings"].items()})
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from pipeline.config import PipelineConfig
+    from pipeline.pipeline import Pipeline
+    from pipeline.server import create_app
+
+    config = PipelineConfig(model=args.model, device=args.device)
+    if args.allow_private_networks:
+        config = replace(config, allow_private_networks=True)
+    print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
+    async with Pipeline(config) as pipe:
+        runner = web.AppRunner(create_app(pipe), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"serving {pipe.model_name} on http://{args.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if args.demo or args.once:
+            await _send_demo(port)
+        if not args.once:
+            await stop.wait()
+            print("shutting down: no new requests; finishing those in flight", flush=True)
+        pipe.stop_accepting()
+        await pipe.drain(args.shutdown_timeout)
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="the OpenAI-compatible server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--allow-private-networks", action="store_true")
+    s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
+    s.add_argument("--once", action="store_true", help="run the demo request and exit")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0)
+    b = sub.add_parser("bench", help="benchmarks (see DESIGN.md)")
+    from pipeline.bench import add_bench_arguments, run_bench
+
+    add_bench_arguments(b)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        asyncio.run(serve(args))
+        return 0
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

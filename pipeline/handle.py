@@ -1,0 +1,157 @@
+"""RequestHandle: one submitted request: stream its deltas, await its result, or cancel it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from pipeline.errors import EngineError, PipelineError, RequestCancelled
+from pipeline.metrics import Metrics
+from pipeline.request import ChatRequest
+from sampling.inputs import EngineInput
+
+__all__ = ["Choice", "Delta", "RequestHandle", "Result"]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    index: int  # choice index
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Result:
+    request_id: str
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict[str, float]  # seconds per stage, plus "first_token" and "total"
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+
+class RequestHandle:
+    """Returned by ``Pipeline.submit()``; iterate for deltas, ``await result()``, or ``cancel()``."""
+
+    def __init__(self, request: ChatRequest, engine: Any, metrics: Metrics) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self._engine = engine
+        self._metrics = metrics
+        n = request.sampling.n
+        self._choices = [Choice(i) for i in range(n)]
+        self._send, self._receive = anyio.create_memory_object_stream[Delta](math.inf)
+        self._done = anyio.Event()
+        self._error: PipelineError | None = None
+        self._scope = anyio.CancelScope()
+        self._prompt_tokens = 0
+        self._timings: dict[str, float] = {}
+
+    async def run(self, prepared: Awaitable[EngineInput]) -> None:
+        """Prepare, then decode; every exit ends the handle with exactly one outcome."""
+        started = anyio.current_time()
+        outcome = "completed"
+        try:
+            with self._scope:
+                inp = await prepared
+                self._timings.update(inp.timings)
+                self._prompt_tokens = len(inp.prompt_token_ids)
+                await self._decode(inp, started)
+            if self._scope.cancel_called and self._error is None:
+                self._error = RequestCancelled("the request was cancelled", request_id=self.request_id)
+        except PipelineError as exc:
+            self._error = exc.bind(request_id=self.request_id)
+        except Exception as exc:  # a bug: a 500 for this request only
+            self._error = PipelineError(f"internal error: {exc!r}", request_id=self.request_id)
+        finally:
+            if self._error is not None:
+                outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
+            self._metrics.outcomes[f"request_{outcome}"] += 1
+            self._timings["total"] = anyio.current_time() - started
+            self._send.close()
+            self._done.set()
+
+    async def _decode(self, inp: EngineInput, started: float) -> None:
+        stream = self._engine.submit(inp)
+        try:
+            async for out in stream:
+                if "first_token" not in self._timings:
+                    self._timings["first_token"] = anyio.current_time() - started
+                if out.error is not None:
+                    raise EngineError(out.error, stage="engine", request_id=self.request_id)
+                choice = self._choices[out.index]
+                choice.text += out.text
+                choice.token_ids += out.token_ids
+                choice.finish_reason = out.finish_reason
+                self._metrics.tokens_generated += len(out.token_ids)
+                self._send.send_nowait(Delta(out.index, out.text, out.token_ids, out.finish_reason))
+        finally:
+            if not stream.is_finished:
+                self._engine.abort(self.request_id)  # frees its KV slot and matcher at the next step
+
+    def cancel(self) -> None:
+        """End the request; what it holds in the stages and the engine is released."""
+        self._scope.cancel()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        try:
+            async with self._receive:
+                async for delta in self._receive:
+                    yield delta
+        except BaseException:
+            self.cancel()  # the consumer went away (cancelled or broke out): stop generating
+            raise
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    async def wait_done(self) -> None:
+        await self._done.wait()
+
+    @property
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+    async def result(self) -> Result:
+        """The finished result. :raises PipelineError: the request's typed error."""
+        try:
+            await self._done.wait()
+        except BaseException:
+            self.cancel()
+            raise
+        if self._error is not None:
+            raise self._error
+        return Result(
+            request_id=self.request_id,
+            choices=self._choices,
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=sum(len(c.token_ids) for c in self._choices),
+            timings=self._timings,
+        )

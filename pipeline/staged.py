@@ -1,0 +1,133 @@
+"""The staged queue: bounded inboxes between stages, a worker pool per stage, clean cancellation.
+
+Each stage has an inbox (an anyio memory object stream with a finite buffer) and ``num_workers``
+tasks. A worker takes a job, runs the stage's step inside the job's cancel scope, then *sends* the
+job to the next inbox, waiting while it is full: a full stage blocks its producer, and so on back to
+admission, which refuses instead of waiting. A cancelled job is dropped at the next stage boundary;
+work already in a worker thread finishes first (``to_thread.run_sync`` holds its limiter token until
+the thread returns), so a cancellation storm cannot pile up thread work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pipeline.errors import PipelineError, RequestCancelled
+from pipeline.metrics import StageMetrics
+
+__all__ = ["Job", "StageWorkers"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the stages; ends in exactly one outcome."""
+
+    request_id: str
+    payload: Any  # the stage steps read and fill its fields
+    done: anyio.Event = field(default_factory=anyio.Event)
+    outcome: str | None = None  # "completed" | "failed" | "cancelled"
+    error: PipelineError | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    _scope: anyio.CancelScope | None = None
+    on_leave: Callable[[Job], None] | None = None  # called once, when no stage holds the job any more
+
+    @property
+    def is_over(self) -> bool:
+        return self.outcome is not None
+
+    def _end(self, outcome: str, error: PipelineError | None = None) -> None:
+        if self.outcome is None:
+            self.outcome, self.error = outcome, error
+            self.done.set()
+
+    def complete(self) -> None:
+        self._end("completed")
+
+    def fail(self, error: PipelineError) -> None:
+        self._end("failed", error)
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def cancel(self) -> None:
+        """Called by the requester: the stage working on the job stops at its next await."""
+        self._end("cancelled", RequestCancelled("the request was cancelled", request_id=self.request_id))
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def leave(self) -> None:
+        if self.on_leave is not None:
+            callback, self.on_leave = self.on_leave, None
+            callback(self)
+
+
+Step = Callable[[Job], Awaitable[None]]
+
+
+class StageWorkers:
+    """A stage's inbox and workers; ``next`` is the following stage (None for the last)."""
+
+    def __init__(self, name: str, step: Step, *, num_workers: int, queue_size: int, metrics: StageMetrics) -> None:
+        self.name = name
+        self.step = step
+        self.num_workers = num_workers
+        self.metrics = metrics
+        self.send: MemoryObjectSendStream[Job]
+        self._receive: MemoryObjectReceiveStream[Job]
+        self.send, self._receive = anyio.create_memory_object_stream[Job](queue_size)
+        self.next: StageWorkers | None = None
+        metrics.queue_depth = self.queue_depth
+
+    def queue_depth(self) -> int:
+        return self.send.statistics().current_buffer_used
+
+    def start(self, tg: TaskGroup) -> None:
+        for _ in range(self.num_workers):
+            tg.start_soon(self._worker, self._receive.clone())
+        self._receive.close()  # the clones keep the stream open
+
+    async def _worker(self, inbox: MemoryObjectReceiveStream[Job]) -> None:
+        async with inbox:
+            async for job in inbox:
+                await self._process(job)
+
+    async def _process(self, job: Job) -> None:
+        if job.is_over:  # cancelled or failed while queued: leaves at this boundary
+            job.leave()
+            return
+        started = time.perf_counter()
+        self.metrics.in_flight += 1
+        try:
+            with anyio.CancelScope() as scope:
+                job._scope = scope
+                await self.step(job)
+        except PipelineError as exc:
+            self.metrics.errors[type(exc).__name__] += 1
+            job.fail(exc.bind(stage=self.name, request_id=job.request_id))
+        except Exception as exc:  # a bug in a stage: a 500 for this request only
+            self.metrics.errors[type(exc).__name__] += 1
+            job.fail(PipelineError(f"internal error: {exc!r}", stage=self.name, request_id=job.request_id))
+        finally:
+            job._scope = None
+            self.metrics.in_flight -= 1
+            elapsed = time.perf_counter() - started
+            self.metrics.latency.observe(elapsed)
+            job.timings[self.name] = job.timings.get(self.name, 0.0) + elapsed
+        if job.is_over:
+            job.leave()
+            return
+        self.metrics.completed += 1
+        if self.next is None:
+            job.complete()
+            job.leave()
+        else:
+            await self.next.send.send(job)  # waits while the next stage is full: backpressure
+
+    async def aclose(self) -> None:
+        await self.send.aclose()

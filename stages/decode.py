@@ -1,0 +1,45 @@
+"""Decode stage: Pillow in a worker thread, then the model's image processor in the same call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from pipeline.config import PipelineConfig
+from vision.image_io import decode_image
+
+__all__ = ["DecodeStage"]
+
+
+class DecodeStage:
+    name = "decode"
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        target_longest_edge: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.max_pixels = config.max_image_pixels
+        self.target_longest_edge = target_longest_edge
+        self.transform = transform  # e.g. the model's preprocessing, done in the same thread hop
+        self.limiter = anyio.CapacityLimiter(config.decode_threads)
+
+    def _decode(self, data: bytes, field: str) -> Any:
+        image = decode_image(
+            data, max_pixels=self.max_pixels, target_longest_edge=self.target_longest_edge, field=field
+        )
+        return self.transform(image) if self.transform is not None else image
+
+    async def run(self, data: bytes, *, field: str) -> Any:
+        """The decoded RGB image (or its transform).
+
+        A cancelled caller still waits for the thread: ``run_sync`` without ``abandon_on_cancel``
+        holds the limiter token until the thread returns, so cancelled work never piles up.
+
+        :raises ImageDecodeError: not a supported image. :raises PayloadTooLarge: over the pixel cap.
+        """
+        return await anyio.to_thread.run_sync(self._decode, data, field, limiter=self.limiter)

@@ -1,0 +1,115 @@
+"""Which JSON-schema keywords xgrammar 0.2.8 enforces, and a check that refuses the ones it ignores.
+
+Found by compiling a one-keyword schema and feeding the grammar an instance that violates only that
+keyword (``tests/stages/test_schema_support.py`` repeats the experiment, so an xgrammar upgrade
+that changes the answer fails loudly). Ignored keywords would let an invalid output through, so a
+``strict`` request that uses them is refused with a 400 listing them; ``strict: false`` accepts
+them, and its output then satisfies only what xgrammar enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.errors import UnsupportedSchemaError
+
+__all__ = ["ENFORCED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unsupported"]
+
+# The grammar accepts instances that violate these.
+IGNORED_KEYWORDS = frozenset(
+    {
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+    }
+)
+ENFORCED_FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "date-time",
+        "time",
+        "duration",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "uuid",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
+# Keywords whose value is a schema, a list of schemas, or a map of name -> schema.
+_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_OVERLAPPING_TYPES = {"integer": {"number"}, "number": {"integer"}}
+
+
+def _branches_disjoint(branches: list[Any]) -> bool:
+    """True when every oneOf branch names distinct JSON types (then oneOf equals anyOf)."""
+    seen: set[str] = set()
+    for branch in branches:
+        kind = branch.get("type") if isinstance(branch, dict) else None
+        if not isinstance(kind, str) or kind in seen or _OVERLAPPING_TYPES.get(kind, set()) & seen:
+            return False
+        seen.add(kind)
+    return True
+
+
+def find_unsupported(schema: Any, path: str = "") -> list[str]:
+    """JSON pointers (``/properties/tags/uniqueItems``) of the keywords xgrammar would ignore."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{path}/{key}" for key in schema if key in IGNORED_KEYWORDS]
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and schema.get("type") in ("string", None) and fmt not in ENFORCED_FORMATS:
+        found.append(f"{path}/format ({fmt})")
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        found.append(f"{path}/allOf (more than one subschema)")
+    one_of = schema.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _branches_disjoint(one_of):
+        found.append(f"{path}/oneOf (branches that may overlap)")
+    for key in _SUBSCHEMA:
+        found += find_unsupported(schema.get(key), f"{path}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        value = schema.get(key)
+        if isinstance(value, list):
+            for i, sub in enumerate(value):
+                found += find_unsupported(sub, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMA_MAPS:
+        value = schema.get(key)
+        if isinstance(value, dict):
+            for name, sub in value.items():
+                found += find_unsupported(sub, f"{path}/{key}/{name}")
+    return found
+
+
+def check_schema_support(schema: Any, *, strict: bool, field: str) -> None:
+    """Refuse a strict schema that uses keywords xgrammar would silently ignore.
+
+    :raises UnsupportedSchemaError: (400) listing each such keyword with its JSON pointer.
+    """
+    if not strict:
+        return
+    found = find_unsupported(schema)
+    if found:
+        shown = ", ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
+        raise UnsupportedSchemaError(
+            f"the schema uses keywords that guided decoding cannot enforce: {shown} "
+            "(send strict: false to accept an output that may not satisfy them)",
+            keywords=found,
+            field=field,
+            stage="grammar",
+        )

@@ -1,0 +1,109 @@
+"""Vision encode: images of concurrent requests encoded together in micro-batches.
+
+A batcher task takes the first waiting image, then gathers more for at most ``wait_ms`` or until
+``max_batch``, and encodes the batch in one worker-thread call under ``torch.inference_mode()``.
+Images whose requester has gone are skipped before the batch runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pipeline.errors import PipelineError
+from vision.encoder import VisionEncoder
+from vision.preprocess import PreparedImage
+
+__all__ = ["VisionEncodeStage"]
+
+
+@dataclass(eq=False)
+class _Pending:
+    image: PreparedImage
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    abandoned: bool = False
+
+
+class VisionEncodeStage:
+    name = "vision"
+
+    def __init__(self, encoder: VisionEncoder, *, max_batch: int, wait_ms: float, queue_size: int) -> None:
+        self.encoder = encoder
+        self.max_batch = max_batch
+        self.wait_s = wait_ms / 1000.0
+        self.limiter = anyio.CapacityLimiter(1)
+        self._send: MemoryObjectSendStream[_Pending]
+        self._receive: MemoryObjectReceiveStream[_Pending]
+        self._send, self._receive = anyio.create_memory_object_stream[_Pending](queue_size)
+        self.batch_sizes: list[int] = []
+
+    @property
+    def queue_depth(self) -> int:
+        return self._send.statistics().current_buffer_used
+
+    async def run_batcher(self) -> None:
+        """Serve batches until the stream is closed; run it in the pipeline's task group."""
+        async with self._receive:
+            while True:
+                try:
+                    first = await self._receive.receive()
+                except anyio.EndOfStream:
+                    return
+                batch = [first]
+                with anyio.move_on_after(self.wait_s):
+                    while len(batch) < self.max_batch:
+                        batch.append(await self._receive.receive())
+                while len(batch) < self.max_batch:  # take what is already queued, without waiting
+                    try:
+                        batch.append(self._receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self._encode([p for p in batch if not p.abandoned])
+                for p in batch:
+                    p.done.set()
+
+    async def _encode(self, batch: list[_Pending]) -> None:
+        if not batch:
+            return
+        self.batch_sizes.append(len(batch))
+        try:
+            with anyio.CancelScope(shield=True):  # the thread finishes anyway; wait for it
+                rows = await anyio.to_thread.run_sync(
+                    self.encoder.encode, [p.image for p in batch], limiter=self.limiter
+                )
+        except Exception as exc:  # the encoder failed: fail exactly this batch's requests
+            for p in batch:
+                p.error = exc
+            return
+        for p, r in zip(batch, rows, strict=True):
+            p.result = r
+
+    async def run(self, images: list[PreparedImage]) -> torch.Tensor | None:
+        """Embeddings of all ``images`` stacked ``[sum(num_patches), hidden]``, or None without images.
+
+        :raises PipelineError: (500) if the encoder failed on this batch.
+        """
+        if not images:
+            return None
+        pending = [_Pending(im) for im in images]
+        try:
+            for p in pending:
+                await self._send.send(p)  # blocks while the stage's inbox is full: backpressure
+            for p in pending:
+                await p.done.wait()
+        except BaseException:
+            for p in pending:
+                p.abandoned = True
+            raise
+        errors = [p.error for p in pending if p.error is not None]
+        if errors:
+            raise PipelineError(f"vision encoder failed: {errors[0]!r}", stage=self.name) from errors[0]
+        return torch.cat([p.result for p in pending if p.result is not None])
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
