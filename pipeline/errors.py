@@ -99,9 +99,9 @@ class GrammarError(InvalidRequest):
 
 
 class UnsupportedSchemaError(GrammarError):
-    def __init__(self, message: str, *, keywords: list[str], **kwargs: str | None) -> None:
+    def __init__(self, message: str, *, keywords: list[str] | None = None, **kwargs: str | None) -> None:
         super().__init__(message, **kwargs)
-        self.keywords = keywords
+        self.keywords = keywords or []
 
 
 class PromptTooLong(InvalidRequest):

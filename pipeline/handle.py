@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +64,8 @@ class RequestHandle:
         self._metrics = metrics
         n = request.sampling.n
         self._choices = [Choice(i) for i in range(n)]
-        self._send, self._receive = anyio.create_memory_object_stream[Delta](math.inf)
+        self._deltas: deque[Delta] = deque()  # bounded by max_tokens * n
+        self._new_delta = anyio.Event()
         self._done = anyio.Event()
         self._error: PipelineError | None = None
         self._scope = anyio.CancelScope()
@@ -92,8 +93,8 @@ class RequestHandle:
                 outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
             self._metrics.outcomes[f"request_{outcome}"] += 1
             self._timings["total"] = anyio.current_time() - started
-            self._send.close()
             self._done.set()
+            self._new_delta.set()
 
     async def _decode(self, inp: EngineInput, started: float) -> None:
         stream = self._engine.submit(inp)
@@ -108,7 +109,8 @@ class RequestHandle:
                 choice.token_ids += out.token_ids
                 choice.finish_reason = out.finish_reason
                 self._metrics.tokens_generated += len(out.token_ids)
-                self._send.send_nowait(Delta(out.index, out.text, out.token_ids, out.finish_reason))
+                self._deltas.append(Delta(out.index, out.text, out.token_ids, out.finish_reason))
+                self._new_delta.set()
         finally:
             if not stream.is_finished:
                 self._engine.abort(self.request_id)  # frees its KV slot and matcher at the next step
@@ -122,9 +124,13 @@ class RequestHandle:
 
     async def _iterate(self) -> AsyncIterator[Delta]:
         try:
-            async with self._receive:
-                async for delta in self._receive:
-                    yield delta
+            while True:
+                while self._deltas:
+                    yield self._deltas.popleft()
+                if self._done.is_set():
+                    break
+                self._new_delta = anyio.Event()
+                await self._new_delta.wait()
         except BaseException:
             self.cancel()  # the consumer went away (cancelled or broke out): stop generating
             raise

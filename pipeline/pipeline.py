@@ -16,7 +16,7 @@ from pipeline.errors import InvalidRequest, Overloaded, PipelineError, ShuttingD
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest, parse_chat_request
-from pipeline.staged import Job, StageWorkers
+from pipeline.staged import Job, StageWorkers, run_each
 from sampling.inputs import EngineInput
 from stages.decode import DecodeStage
 from stages.fetch import FetchStage
@@ -67,9 +67,7 @@ class Pipeline:
         self.tokenizer = ck.tokenizer
         self.image_token_id = ck.image_token_id if ck.image_token_id is not None else -1
         self.encoder = VisionEncoder(ck, device=self.device) if ck.vision_config is not None else None
-        import xgrammar as xgr
-
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=ck.text_config.vocab_size)
+        self.tokenizer_info = ck.tokenizer_info
         if self.with_engine:
             from sampling.factory import build_engine
 
@@ -122,6 +120,10 @@ class Pipeline:
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
+            for stage in self._stages:
+                await stage.aclose()
+            if self.vision is not None:
+                await self.vision.aclose()
             if self.engine is not None:
                 await self.engine.aclose()
             await self.fetch.aclose()
@@ -151,9 +153,7 @@ class Pipeline:
         async def fetch_one(i: int) -> None:
             results[i] = await self.fetch.run(images[i].url, field=images[i].field)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(images)):
-                tg.start_soon(fetch_one, i)
+        await run_each(fetch_one, len(images))
         prep.image_bytes = results
 
     async def _decode_step(self, job: Job) -> None:
@@ -164,9 +164,7 @@ class Pipeline:
         async def decode_one(i: int) -> None:
             prepared[i] = await self.decode.run(prep.image_bytes[i], field=fields[i])
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(fields)):
-                tg.start_soon(decode_one, i)
+        await run_each(decode_one, len(fields))
         prep.image_bytes = []  # the encoded bytes are no longer needed: free them early
         prep.images = [p for p in prepared if p is not None]
 
@@ -190,6 +188,9 @@ class Pipeline:
             prep.grammar = await self.grammar.compile(prep.request.grammar, request_id=job.request_id)
         except PipelineError as exc:
             prep.grammar_error = exc.bind(stage="grammar", request_id=job.request_id)
+            job.fail(prep.grammar_error)
+        except Exception as exc:  # a bug must fail this request, not the pipeline's task group
+            prep.grammar_error = PipelineError(f"internal error: {exc!r}", stage="grammar", request_id=job.request_id)
             job.fail(prep.grammar_error)
         finally:
             job.timings["grammar"] = time.perf_counter() - started

@@ -11,7 +11,7 @@ the thread returns), so a cancellation storm cannot pile up thread work.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from pipeline.errors import PipelineError, RequestCancelled
 from pipeline.metrics import StageMetrics
 
-__all__ = ["Job", "StageWorkers"]
+__all__ = ["Job", "StageWorkers", "run_each"]
 
 
 @dataclass(eq=False)
@@ -68,6 +68,26 @@ class Job:
 
 
 Step = Callable[[Job], Awaitable[None]]
+
+
+async def run_each(fn: Callable[[int], Awaitable[None]], count: int) -> None:
+    """Run ``fn(0) ... fn(count - 1)`` concurrently; the first to fail cancels the rest and its
+    error is raised as itself (not wrapped in an exception group), so it keeps its HTTP status."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                tg.start_soon(fn, i)
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        raise next((e for e in leaves if isinstance(e, PipelineError)), leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 class StageWorkers:

@@ -127,6 +127,7 @@ class LLMEngine:
         return len(self._requests)
 
     # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[SeqOutput]:
         """Run one scheduled step; the outputs of every sequence that produced a token."""
         scheduled = self.scheduler.schedule()

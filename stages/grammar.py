@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections import OrderedDict
@@ -117,9 +118,8 @@ class GrammarStage:
 
     def _unwrap(self, result: Any, request_id: str | None) -> xgr.CompiledGrammar:
         if isinstance(result, PipelineError):
-            error = type(result)(result.message, field=result.field, stage=self.name, request_id=request_id)
-            if hasattr(result, "keywords"):
-                error.keywords = result.keywords  # type: ignore[attr-defined]
+            error = copy.copy(result)  # one error object per request: each carries its own request id
+            error.stage, error.request_id = self.name, request_id
             raise error
         return result
 

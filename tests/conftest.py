@@ -31,7 +31,5 @@ def hf_tokenizer(checkpoint: Checkpoint) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_info(hf_tokenizer: Any) -> Any:
-    import xgrammar as xgr
-
-    return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=131_072)
+def tokenizer_info(checkpoint: Checkpoint) -> Any:
+    return checkpoint.tokenizer_info

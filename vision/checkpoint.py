@@ -6,6 +6,7 @@ The embedded default model and a user's checkpoint go through this same code.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -59,6 +60,13 @@ class Checkpoint:
         return int(value) if value is not None else None
 
     @cached_property
+    def tokenizer_info(self) -> Any:
+        """xgrammar's view of the tokenizer, sized to the model's vocabulary (logits width)."""
+        import xgrammar as xgr
+
+        return xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.text_config.vocab_size)
+
+    @cached_property
     def model_name(self) -> str:
         return self.path.name
 
@@ -87,12 +95,20 @@ class Checkpoint:
         return found
 
 
+_opened: dict[Path, Checkpoint] = {}
+_opened_lock = threading.Lock()
+
+
 def open_checkpoint(model: str | None, cache_dir: Path) -> Checkpoint:
     """The checkpoint at ``model``, or the embedded default (written once into ``cache_dir``) when None.
 
+    One ``Checkpoint`` per folder and process: its loaded parts are read-only and shared, so a second
+    pipeline on the same model does not load the tokenizer again.
+
     :raises FileNotFoundError: if ``model`` is not a folder with a config.json.
     """
-    path = ensure_default_checkpoint(cache_dir) if model is None else Path(model)
+    path = (ensure_default_checkpoint(cache_dir) if model is None else Path(model)).resolve()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
-    return Checkpoint(path=path)
+    with _opened_lock:
+        return _opened.setdefault(path, Checkpoint(path=path))
