@@ -56,6 +56,7 @@ class Pipeline:
         self._tg: TaskGroup | None = None
         self.engine: Any = None
         self._handles: set[RequestHandle] = set()
+        self._idle = anyio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -237,6 +238,15 @@ class Pipeline:
     def _job_left(self, job: Job) -> None:
         self._pending -= 1
         self.metrics.outcomes[job.outcome or "unknown"] += 1
+        if self._pending == 0:
+            self._idle.set()
+            self._idle = anyio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in the stages and no grammar compile is running."""
+        if self._pending:
+            await self._idle.wait()
+        await self.grammar.wait_idle()
 
     @property
     def num_pending(self) -> int:

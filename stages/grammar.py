@@ -123,6 +123,11 @@ class GrammarStage:
             raise error
         return result
 
+    async def wait_idle(self) -> None:
+        """Return once no compile job is running (their threads have returned)."""
+        while self._flights:
+            await next(iter(self._flights.values())).done.wait()
+
     def lookup(self, spec: GrammarSpec) -> Any | None:
         """The cached compiled grammar (or cached error) of ``spec``, without compiling."""
         return self._cache.get(spec.key)

@@ -1,0 +1,101 @@
+"""A full stage blocks its producer; a full pipeline refuses admission at once."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import anyio
+import pytest
+from anyio.abc import TaskStatus
+
+from pipeline import PipelineConfig
+from pipeline.errors import Overloaded
+from pipeline.metrics import StageMetrics
+from pipeline.pipeline import Pipeline
+from pipeline.staged import Job, StageWorkers
+from tests.images import data_url, encode, image_request, make_image
+
+
+async def test_full_stage_blocks_its_producer() -> None:
+    release = anyio.Event()
+    seen: list[str] = []
+
+    async def first(job: Job) -> None:
+        seen.append(f"first:{job.request_id}")
+
+    async def second(job: Job) -> None:
+        await release.wait()
+        seen.append(f"second:{job.request_id}")
+
+    a = StageWorkers("a", first, num_workers=1, queue_size=1, metrics=StageMetrics("a"))
+    b = StageWorkers("b", second, num_workers=1, queue_size=1, metrics=StageMetrics("b"))
+    a.next = b
+    jobs = [Job(str(i), None) for i in range(4)]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            a.start(tg)
+            b.start(tg)
+            await a.send.send(jobs[0])
+            await a.send.send(jobs[1])
+            await a.send.send(jobs[2])
+            await anyio.wait_all_tasks_blocked()
+            # b's worker holds job 0, b's inbox holds job 1, a's worker is stuck sending job 2
+            assert b.metrics.in_flight == 1 and b.queue_depth() == 1
+            assert a.queue_depth() == 0 and a.metrics.completed == 3
+            await a.send.send(jobs[3])  # a's inbox had room for exactly one more
+            with pytest.raises(anyio.WouldBlock):
+                a.send.send_nowait(Job("overflow", None))
+            release.set()
+            for job in jobs:
+                await job.done.wait()
+            await a.aclose()
+            await b.aclose()
+    assert [j.outcome for j in jobs] == ["completed"] * 4
+    assert seen.count("second:0") == 1 and len(seen) == 8
+
+
+@pytest.fixture
+async def blocked_pipe() -> AsyncIterator[tuple[Pipeline, anyio.Event]]:
+    config = PipelineConfig(max_pending_requests=4, stage_queue_size=4, fetch_concurrency=1)
+    release = anyio.Event()
+    async with Pipeline(config, with_engine=False) as pipe:
+        real_run = pipe.fetch.run
+
+        async def gated_run(url: str, *, field: str) -> bytes:
+            await release.wait()
+            return await real_run(url, field=field)
+
+        pipe.fetch.run = gated_run  # type: ignore[method-assign]
+        yield pipe, release
+
+
+async def test_full_pipeline_refuses_admission_at_once(blocked_pipe: tuple[Pipeline, anyio.Event]) -> None:
+    pipe, release = blocked_pipe
+    body = image_request([data_url(encode(make_image(seed=1)))])
+    results: list[object] = []
+
+    async def prepare_one(*, task_status: TaskStatus[None]) -> None:
+        task_status.started()
+        results.append(await pipe.prepare(body))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                await tg.start(prepare_one)
+            await anyio.wait_all_tasks_blocked()
+            assert pipe.num_pending == 4
+            with pytest.raises(Overloaded) as info:
+                await pipe.prepare(body)
+            assert info.value.status == 429 and info.value.retry_after > 0
+            release.set()
+    assert len(results) == 4 and pipe.num_pending == 0
+    assert pipe.metrics.outcomes["refused"] == 1 and pipe.metrics.outcomes["completed"] == 4
+
+
+async def test_shutting_down_refuses_with_503() -> None:
+    async with Pipeline(replace(PipelineConfig(), max_pending_requests=2), with_engine=False) as pipe:
+        pipe.stop_accepting()
+        with pytest.raises(Overloaded) as info:
+            await pipe.prepare({"messages": [{"role": "user", "content": "x"}]})
+        assert info.value.status == 503

@@ -1,0 +1,80 @@
+"""200 requests cancelled at seeded random points: nothing stays borrowed, queued or running."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+
+from pipeline import PipelineConfig
+from pipeline.errors import PipelineError
+from pipeline.pipeline import Pipeline
+from tests.images import data_url, encode, image_request, make_image
+
+NUM_REQUESTS = 200
+
+
+def storm_body(i: int, images: list[str]) -> dict[str, object]:
+    body = image_request(images[: i % 3], text=f"request {i}")
+    if i % 4 == 0:  # a distinct schema each time: real compiles, not cache hits
+        schema = {"type": "object", "properties": {f"v{i}": {"type": "string", "maxLength": 8}}, "required": [f"v{i}"]}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    return body
+
+
+async def test_cancellation_storm_leaves_nothing_behind() -> None:
+    rng = random.Random(1234)
+    images = [data_url(encode(make_image(256, 192, seed=s), "JPEG"), "image/jpeg") for s in range(2)]
+    config = PipelineConfig(max_pending_requests=NUM_REQUESTS, stage_queue_size=NUM_REQUESTS)
+    outcomes: dict[str, int] = {"completed": 0, "cancelled": 0, "failed": 0}
+
+    async with Pipeline(config, with_engine=False) as pipe:
+
+        async def one(i: int, cancel_after: int | None) -> None:
+            with anyio.CancelScope() as scope:
+
+                async def canceller() -> None:
+                    if cancel_after is None:
+                        return
+                    for _ in range(cancel_after):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(canceller)
+                    try:
+                        await pipe.prepare(storm_body(i, images))
+                        outcomes["completed"] += 1
+                    except PipelineError:
+                        outcomes["failed"] += 1
+                    tg.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                outcomes["cancelled"] += 1
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(NUM_REQUESTS):
+                    # a third run to the end; the rest are cancelled after 0..2000 loop iterations
+                    tg.start_soon(one, i, None if i % 3 == 0 else rng.randrange(0, 2000))
+            await pipe.wait_idle()
+
+        assert sum(outcomes.values()) == NUM_REQUESTS
+        assert outcomes["cancelled"] > 20 and outcomes["completed"] >= NUM_REQUESTS // 3
+        assert outcomes["failed"] == 0
+        assert pipe.num_pending == 0
+        limiters = {
+            "fetch": pipe.fetch.limiter,
+            "decode": pipe.decode.limiter,
+            "template": pipe.template.limiter,
+            "grammar": pipe.grammar.limiter,
+        }
+        assert pipe.vision is not None
+        limiters["vision"] = pipe.vision.limiter
+        assert {name: lim.borrowed_tokens for name, lim in limiters.items()} == dict.fromkeys(limiters, 0)
+        for stage in pipe.metrics.stages.values():
+            assert (stage.name, stage.queue_depth(), stage.in_flight) == (stage.name, 0, 0)
+        assert pipe.vision.queue_depth == 0
+        # every admitted job left the stages with exactly one outcome
+        left = pipe.metrics.outcomes
+        assert left["completed"] + left["cancelled"] + left["failed"] == NUM_REQUESTS
+        assert left["completed"] == outcomes["completed"]
