@@ -40,6 +40,10 @@ class PipelineConfig:
     max_redirects: int = 3
     fetch_concurrency: int = 32
 
+    # Run preparation work inline on the event loop: the naive baseline of the health benchmark,
+    # never a serving setting.
+    inline_preparation: bool = False
+
     # -- decode --
     max_image_pixels: int = 40_000_000  # decompression-bomb guard, checked before pixels are decoded
     decode_threads: int = 2

@@ -89,6 +89,7 @@ class Pipeline:
             ImageTokenIds.from_tokenizer(self.tokenizer, self.image_token_id),
             max_prompt_tokens=cfg.max_prompt_tokens,
             threads=cfg.template_threads,
+            inline=cfg.inline_preparation,
         )
         self.vision = (
             VisionEncodeStage(
@@ -96,6 +97,7 @@ class Pipeline:
                 max_batch=cfg.vision_max_batch,
                 wait_ms=cfg.vision_batch_wait_ms,
                 queue_size=cfg.stage_queue_size * cfg.max_images_per_request,
+                inline=cfg.inline_preparation,
             )
             if self.encoder is not None
             else None

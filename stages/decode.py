@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 
 from pipeline.config import PipelineConfig
+from stages.offload import Offload
 from vision.image_io import decode_image
 
 __all__ = ["DecodeStage"]
@@ -26,7 +27,8 @@ class DecodeStage:
         self.max_pixels = config.max_image_pixels
         self.target_longest_edge = target_longest_edge
         self.transform = transform  # e.g. the model's preprocessing, done in the same thread hop
-        self.limiter = anyio.CapacityLimiter(config.decode_threads)
+        self.offload = Offload(anyio.CapacityLimiter(config.decode_threads), inline=config.inline_preparation)
+        self.limiter = self.offload.limiter
 
     def _decode(self, data: bytes, field: str) -> Any:
         image = decode_image(
@@ -37,9 +39,6 @@ class DecodeStage:
     async def run(self, data: bytes, *, field: str) -> Any:
         """The decoded RGB image (or its transform).
 
-        A cancelled caller still waits for the thread: ``run_sync`` without ``abandon_on_cancel``
-        holds the limiter token until the thread returns, so cancelled work never piles up.
-
         :raises ImageDecodeError: not a supported image. :raises PayloadTooLarge: over the pixel cap.
         """
-        return await anyio.to_thread.run_sync(self._decode, data, field, limiter=self.limiter)
+        return await self.offload.run(self._decode, data, field)

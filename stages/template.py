@@ -12,6 +12,7 @@ import anyio
 
 from pipeline.errors import InvalidRequest, PromptTooLong
 from pipeline.request import ImagePart, Message
+from stages.offload import Offload
 from vision.preprocess import ImageTokenIds, PreparedImage, expand_image_tokens
 
 __all__ = ["TemplateStage"]
@@ -31,11 +32,14 @@ def _to_hf_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
 class TemplateStage:
     name = "template"
 
-    def __init__(self, tokenizer: Any, image_ids: ImageTokenIds, *, max_prompt_tokens: int, threads: int) -> None:
+    def __init__(
+        self, tokenizer: Any, image_ids: ImageTokenIds, *, max_prompt_tokens: int, threads: int, inline: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.image_ids = image_ids
         self.max_prompt_tokens = max_prompt_tokens
-        self.limiter = anyio.CapacityLimiter(threads)
+        self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
+        self.limiter = self.offload.limiter
 
     def render(self, messages: tuple[Message, ...], images: list[PreparedImage]) -> list[int]:
         """Prompt token ids with every image expanded to its grid of image tokens (synchronous).
@@ -63,4 +67,4 @@ class TemplateStage:
 
     async def run(self, messages: tuple[Message, ...], images: list[PreparedImage]) -> list[int]:
         """Render and tokenize in a worker thread (finishes even if the caller is cancelled)."""
-        return await anyio.to_thread.run_sync(self.render, messages, images, limiter=self.limiter)
+        return await self.offload.run(self.render, messages, images)

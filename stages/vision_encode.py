@@ -14,6 +14,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.errors import PipelineError
+from stages.offload import Offload
 from vision.encoder import VisionEncoder
 from vision.preprocess import PreparedImage
 
@@ -32,11 +33,14 @@ class _Pending:
 class VisionEncodeStage:
     name = "vision"
 
-    def __init__(self, encoder: VisionEncoder, *, max_batch: int, wait_ms: float, queue_size: int) -> None:
+    def __init__(
+        self, encoder: VisionEncoder, *, max_batch: int, wait_ms: float, queue_size: int, inline: bool = False
+    ) -> None:
         self.encoder = encoder
         self.max_batch = max_batch
         self.wait_s = wait_ms / 1000.0
-        self.limiter = anyio.CapacityLimiter(1)
+        self.offload = Offload(anyio.CapacityLimiter(1), inline=inline)
+        self.limiter = self.offload.limiter
         self._send: MemoryObjectSendStream[_Pending]
         self._receive: MemoryObjectReceiveStream[_Pending]
         self._send, self._receive = anyio.create_memory_object_stream[_Pending](queue_size)
@@ -73,9 +77,7 @@ class VisionEncodeStage:
         self.batch_sizes.append(len(batch))
         try:
             with anyio.CancelScope(shield=True):  # the thread finishes anyway; wait for it
-                rows = await anyio.to_thread.run_sync(
-                    self.encoder.encode, [p.image for p in batch], limiter=self.limiter
-                )
+                rows = await self.offload.run(self.encoder.encode, [p.image for p in batch])
         except Exception as exc:  # the encoder failed: fail exactly this batch's requests
             for p in batch:
                 p.error = exc

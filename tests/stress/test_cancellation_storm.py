@@ -77,4 +77,6 @@ async def test_cancellation_storm_leaves_nothing_behind() -> None:
         # every admitted job left the stages with exactly one outcome
         left = pipe.metrics.outcomes
         assert left["completed"] + left["cancelled"] + left["failed"] == NUM_REQUESTS
-        assert left["completed"] == outcomes["completed"]
+        # a caller may be cancelled after its job left the last stage (while joining the grammar):
+        # then the job counts as completed and the caller as cancelled, never the other way round
+        assert left["completed"] >= outcomes["completed"] and left["cancelled"] <= outcomes["cancelled"]
