@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -79,9 +78,14 @@ async def serve(args: argparse.Namespace) -> None:
     from pipeline.pipeline import Pipeline
     from pipeline.server import create_app
 
-    config = PipelineConfig(model=args.model, device=args.device)
-    if args.allow_private_networks:
-        config = replace(config, allow_private_networks=True)
+    config = PipelineConfig(
+        model=args.model,
+        device=args.device,
+        allow_private_networks=args.allow_private_networks,
+        inline_preparation=args.inline_preparation,
+        max_pending_requests=args.max_pending,
+        stage_queue_size=args.stage_queue_size,
+    )
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
     async with Pipeline(config) as pipe:
         runner = web.AppRunner(create_app(pipe), handler_cancellation=True, access_log=None)
@@ -113,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
     s.add_argument("--device", default="auto")
     s.add_argument("--allow-private-networks", action="store_true")
+    s.add_argument("--max-pending", type=int, default=256, help="requests admitted at once before 429")
+    s.add_argument("--stage-queue-size", type=int, default=16)
+    s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
     s.add_argument("--shutdown-timeout", type=float, default=30.0)

@@ -9,7 +9,14 @@ import json
 __all__ = ["add_bench_arguments", "run_bench"]
 
 # scenario name -> module under pipeline.bench with add_arguments(parser) and run(args) -> dict
-SCENARIOS = {"guided": "guided"}
+SCENARIOS = {
+    "health": "health",
+    "prep": "prep",
+    "guided": "guided",
+    "tpot-under-load": "tpot_under_load",
+    "compile": "compile",
+    "overload": "overload",
+}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

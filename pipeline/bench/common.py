@@ -1,0 +1,92 @@
+"""Shared pieces of the benchmarks: statistics, tables, output files, a local image server."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["ImageServer", "machine", "median", "percentile", "print_table", "write_outputs"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), nearest-rank; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.machine()}, {os.cpu_count()} cores, {gpu}"
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def write_outputs(out_dir: str | None, scenario: str, figures: dict[str, Any], plot: Any = None) -> None:
+    """With ``--out DIR``: DIR/SCENARIO.json and, given a ``plot(ax)`` function, DIR/SCENARIO.png."""
+    if not out_dir:
+        return
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{scenario}.json").write_text(json.dumps(figures, indent=2))
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+        plot(ax)
+        ax.set_title(f"{scenario} ({machine()})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(folder / f"{scenario}.png")
+        plt.close(fig)
+
+
+class ImageServer:
+    """Serves one image at /image.jpg on 127.0.0.1 (the http-image half of a burst)."""
+
+    def __init__(self, body: bytes, content_type: str = "image/jpeg") -> None:
+        self.body, self.content_type = body, content_type
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> ImageServer:
+        app = web.Application()
+
+        async def image(_: web.Request) -> web.Response:
+            return web.Response(body=self.body, content_type=self.content_type)
+
+        app.router.add_get("/image.jpg", image)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}/image.jpg"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()

@@ -1,0 +1,211 @@
+"""health: /health latency while a burst of image requests is prepared, against an inline baseline.
+
+The server runs in its own process; the burst and the probe run in this one, the probe on its own
+thread, event loop and connection pool, so it neither queues behind the burst's connections nor
+measures this process's JSON encoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from pipeline.bench.common import ImageServer, machine, median, percentile, print_table, write_outputs
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--burst", type=int, default=128, help="concurrent image requests per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--probe-interval-ms", type=float, default=10.0)
+    parser.add_argument("--out", default=None, help="folder for the JSON figures and a PNG plot")
+
+
+def _jpeg(width: int = 1024, height: int = 768) -> bytes:
+    import io
+    import random
+
+    from PIL import Image
+
+    rng = random.Random(0)
+    image = Image.effect_noise((width, height), 40).convert("RGB")
+    image.paste((rng.randrange(256), 80, 160), (100, 100, 600, 500))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+class _Server:
+    """``python -m pipeline serve`` in a child process."""
+
+    def __init__(self, inline: bool, burst: int) -> None:
+        args = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--allow-private-networks"]
+        args += ["--max-pending", str(burst * 2), "--stage-queue-size", str(burst * 2)]
+        if inline:
+            args.append("--inline-preparation")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("serving"):
+                self.base = line.rsplit(" ", 1)[-1].strip()
+                return
+        raise RuntimeError("the server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def _probe(base: str, interval: float, stop: threading.Event, samples: list[tuple[float, float]]) -> None:
+    async def loop() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            while not stop.is_set():
+                started = time.perf_counter()
+                async with session.get(f"{base}/health") as resp:
+                    await resp.read()
+                done = time.perf_counter()
+                samples.append((started, done - started))
+                await asyncio.sleep(max(0.0, interval - (done - started)))
+
+    asyncio.run(loop())
+
+
+async def _burst(base: str, bodies: list[bytes]) -> tuple[float, int]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(body: bytes) -> int:
+            async with session.post(
+                f"{base}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
+                await resp.read()
+                return resp.status
+
+        started = time.perf_counter()
+        statuses = await asyncio.gather(*(one(b) for b in bodies))
+        return time.perf_counter() - started, sum(1 for s in statuses if s == 200)
+
+
+def _bodies(burst: int, jpeg: bytes, http_url: str) -> list[bytes]:
+    data_url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    out = []
+    for i in range(burst):
+        url = data_url if i % 2 == 0 else http_url
+        content = [{"type": "text", "text": f"Describe image {i}."}, {"type": "image_url", "image_url": {"url": url}}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def _measure(base: str, bodies: list[bytes], interval: float) -> dict[str, float]:
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+    probe = threading.Thread(target=_probe, args=(base, interval, stop, samples))
+    probe.start()
+    time.sleep(0.2)  # a few idle samples first
+    duration, ok = asyncio.run(_burst(base, bodies))
+    stop.set()
+    probe.join()
+    latencies = [lat for _, lat in samples]
+    return {
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+        "max_ms": max(latencies) * 1000,
+        "req_per_s": len(bodies) / duration,
+        "ok": ok,
+        "samples": samples,  # type: ignore[dict-item]
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    jpeg = _jpeg()
+    results: dict[str, list[dict[str, float]]] = {"pipeline": [], "inline": []}
+
+    async def image_url_holder() -> None:
+        pass
+
+    with tqdm(total=2 * (args.repeats + 1), desc="health", file=sys.stderr) as progress:
+        server_thread_ready = threading.Event()
+        holder: dict[str, Any] = {}
+
+        def serve_images() -> None:
+            async def main() -> None:
+                async with ImageServer(jpeg) as images:
+                    holder["url"] = images.url
+                    server_thread_ready.set()
+                    while not holder.get("stop"):
+                        await asyncio.sleep(0.05)
+
+            asyncio.run(main())
+
+        images_thread = threading.Thread(target=serve_images, daemon=True)
+        images_thread.start()
+        server_thread_ready.wait()
+        bodies = _bodies(args.burst, jpeg, holder["url"])
+        try:
+            for mode in ("pipeline", "inline"):
+                server = _Server(inline=mode == "inline", burst=args.burst)
+                try:
+                    _measure(server.base, bodies[:4], args.probe_interval_ms / 1000)  # warm-up
+                    progress.update()
+                    for _ in range(args.repeats):
+                        results[mode].append(_measure(server.base, bodies, args.probe_interval_ms / 1000))
+                        progress.update()
+                finally:
+                    server.stop()
+        finally:
+            holder["stop"] = True
+
+    def summary(mode: str) -> dict[str, float]:
+        runs = results[mode]
+        return {k: median([r[k] for r in runs]) for k in ("p50_ms", "p99_ms", "max_ms", "req_per_s", "ok")}
+
+    ours, base = summary("pipeline"), summary("inline")
+    print(
+        f"\nhealth: burst of {args.burst} image requests (1024x768 JPEG, half base64, half http), "
+        f"median of {args.repeats} runs, {machine()}"
+    )
+    print_table(
+        ["server", "p50 ms", "p99 ms", "max ms", "req/s", "ok"],
+        [
+            [m, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])]
+            for m, s in (("pipeline", ours), ("inline baseline", base))
+        ],
+    )
+    figures = {
+        "scenario": "health",
+        "burst": args.burst,
+        "p50_ms": round(ours["p50_ms"], 3),
+        "p99_ms": round(ours["p99_ms"], 3),
+        "max_ms": round(ours["max_ms"], 3),
+        "req_per_s": round(ours["req_per_s"], 2),
+        "baseline_p50_ms": round(base["p50_ms"], 3),
+        "baseline_p99_ms": round(base["p99_ms"], 3),
+        "baseline_max_ms": round(base["max_ms"], 3),
+        "baseline_req_per_s": round(base["req_per_s"], 2),
+        "repeats": args.repeats,
+        "machine": machine(),
+    }
+
+    def plot(ax: Any) -> None:
+        for mode, style in (("pipeline", "-"), ("inline", ":")):
+            samples = results[mode][-1]["samples"]
+            t0 = samples[0][0]
+            ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)  # type: ignore[union-attr]
+        ax.set_xlabel("seconds since the probe started")
+        ax.set_ylabel("/health latency (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+
+    write_outputs(args.out, "health", figures, plot)
+    return figures
