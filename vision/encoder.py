@@ -56,21 +56,22 @@ class VisionEncoder:
         return int(self.projector.linear_2.out_features)
 
     def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
-        """One tensor ``[num_patches, hidden]`` per image, on the CPU in the model's dtype."""
-        if not images:
-            return []
-        height = max(im.pixel_values.shape[1] for im in images)
-        width = max(im.pixel_values.shape[2] for im in images)
-        # pixel_values: [B, 3, H_max, W_max], zero-padded; the tower crops each back to image_sizes
-        batch = torch.zeros(len(images), 3, height, width, dtype=self.dtype)
-        for i, im in enumerate(images):
-            batch[i, :, : im.pixel_values.shape[1], : im.pixel_values.shape[2]] = im.pixel_values
-        sizes = [tuple(im.pixel_values.shape[1:]) for im in images]
+        """One tensor ``[num_patches, hidden]`` per image, on the CPU in the model's dtype.
+
+        The tower runs once per image: transformers' Pixtral tower packs a batch into one sequence
+        under a block-diagonal mask, so its attention cost grows with the square of the whole
+        batch (measured: 8 images of 768 patches, 301 ms packed vs 57 ms one by one, CPU).
+        The stage's micro-batch still saves thread hops and keeps the work in one call.
+        """
         with torch.inference_mode():
-            out: Any = self.tower(batch.to(self.device, non_blocking=True), image_sizes=sizes)
-            # last_hidden_state: [1, sum(num_patches), vision_hidden], images concatenated
-            features = self.projector(out.last_hidden_state[0])
-        return list(features.to("cpu").split([im.num_patches for im in images]))
+            return [self._encode_one(image) for image in images]
+
+    def _encode_one(self, image: PreparedImage) -> torch.Tensor:
+        # pixel_values: [1, 3, H, W]
+        pixels = image.pixel_values[None].to(self.device, self.dtype, non_blocking=True)
+        out: Any = self.tower(pixels, image_sizes=[tuple(image.pixel_values.shape[1:])])
+        # last_hidden_state: [1, num_patches, vision_hidden]
+        return self.projector(out.last_hidden_state[0]).to("cpu")
 
 
 def _load(module: nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:

@@ -127,31 +127,38 @@ def _measure(base: str, bodies: list[bytes], interval: float) -> dict[str, float
     }
 
 
+class _ImagesThread:
+    """The local image server on its own thread and loop, so the burst's client does not slow it."""
+
+    def __init__(self, jpeg: bytes) -> None:
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=asyncio.run, args=(self._main(jpeg),), daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    async def _main(self, jpeg: bytes) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        async with ImageServer(jpeg) as server:
+            self.url = server.url
+            self._ready.set()
+            await self._stop.wait()
+
+    def stop(self) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     jpeg = _jpeg()
     results: dict[str, list[dict[str, float]]] = {"pipeline": [], "inline": []}
 
-    async def image_url_holder() -> None:
-        pass
-
+    images = _ImagesThread(jpeg)
     with tqdm(total=2 * (args.repeats + 1), desc="health", file=sys.stderr) as progress:
-        server_thread_ready = threading.Event()
-        holder: dict[str, Any] = {}
-
-        def serve_images() -> None:
-            async def main() -> None:
-                async with ImageServer(jpeg) as images:
-                    holder["url"] = images.url
-                    server_thread_ready.set()
-                    while not holder.get("stop"):
-                        await asyncio.sleep(0.05)
-
-            asyncio.run(main())
-
-        images_thread = threading.Thread(target=serve_images, daemon=True)
-        images_thread.start()
-        server_thread_ready.wait()
-        bodies = _bodies(args.burst, jpeg, holder["url"])
+        bodies = _bodies(args.burst, jpeg, images.url)
         try:
             for mode in ("pipeline", "inline"):
                 server = _Server(inline=mode == "inline", burst=args.burst)
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 finally:
                     server.stop()
         finally:
-            holder["stop"] = True
+            images.stop()
 
     def summary(mode: str) -> dict[str, float]:
         runs = results[mode]

@@ -1,0 +1,146 @@
+"""prep: prepared requests/s through Pipeline.prepare(), CPU-seconds per request per stage.
+
+Efficiency = achieved req/s ÷ (cores ÷ CPU-seconds per request): 1.0 means every core was busy
+with preparation work. The same load runs again with (practically) unlimited concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import anyio
+from tqdm import tqdm
+
+from pipeline.bench.common import ImageServer, machine, median, print_table, write_outputs
+from pipeline.bench.health import _jpeg
+from pipeline.config import PipelineConfig
+from pipeline.pipeline import Pipeline
+
+__all__ = ["add_arguments", "run"]
+
+KINDS = ("text", "base64", "http")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=64, help="requests per kind and run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+
+
+def _body(kind: str, i: int, data_url: str, http_url: str) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": f"Describe picture number {i} in detail."}]
+    if kind != "text":
+        content.append({"type": "image_url", "image_url": {"url": data_url if kind == "base64" else http_url}})
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+
+
+def _stage_cpu(pipe: Pipeline) -> dict[str, float]:
+    assert pipe.vision is not None
+    return {
+        "decode": pipe.decode.offload.cpu_seconds,
+        "template": pipe.template.offload.cpu_seconds,
+        "vision": pipe.vision.offload.cpu_seconds,
+    }
+
+
+async def _one_run(pipe: Pipeline, kind: str, n: int, data_url: str, http_url: str) -> dict[str, float]:
+    cpu_before, stages_before = time.process_time(), _stage_cpu(pipe)
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(pipe.prepare, _body(kind, i, data_url, http_url))
+    wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu_before
+    stages = {k: (v - stages_before[k]) / n for k, v in _stage_cpu(pipe).items()}
+    per_request = cpu / n
+    cores = os.cpu_count() or 1
+    return {
+        "req_per_s": n / wall,
+        "cpu_s_per_request": per_request,
+        "efficiency": (n / wall) / (cores / per_request),
+        **{f"cpu_{k}": v for k, v in stages.items()},
+        "cpu_loop_and_other": per_request - sum(stages.values()),
+    }
+
+
+async def _measure(config: PipelineConfig, args: argparse.Namespace, urls: tuple[str, str], progress: Any) -> dict:
+    out: dict[str, dict[str, float]] = {}
+    async with Pipeline(config, with_engine=False) as pipe:
+        await pipe.prepare(_body("base64", 0, *urls))  # warm-up
+        for kind in KINDS:
+            runs = []
+            for _ in range(args.repeats):
+                runs.append(await _one_run(pipe, kind, args.requests, *urls))
+                progress.update()
+            out[kind] = {key: median([r[key] for r in runs]) for key in runs[0]}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    jpeg = _jpeg()
+    data_url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    base = PipelineConfig(allow_private_networks=True, max_pending_requests=4096, stage_queue_size=4096)
+    unlimited = replace(base, decode_threads=64, template_threads=64, fetch_concurrency=1024)
+
+    async def main() -> dict[str, Any]:
+        async with ImageServer(jpeg) as images:
+            urls = (data_url, images.url)
+            with tqdm(total=2 * len(KINDS) * args.repeats, desc="prep", file=sys.stderr) as progress:
+                bounded = await _measure(base, args, urls, progress)
+                free = await _measure(unlimited, args, urls, progress)
+        return {"bounded": bounded, "unlimited": free}
+
+    result = anyio.run(main)
+    print(f"\nprep: {args.requests} concurrent requests per kind, median of {args.repeats} runs, {machine()}")
+    headers = ["kind", "limits", "req/s", "CPU ms/req", "decode", "template", "vision", "loop+other", "efficiency"]
+    rows = []
+    for kind in KINDS:
+        for mode in ("bounded", "unlimited"):
+            r = result[mode][kind]
+            rows.append(
+                [
+                    kind,
+                    mode,
+                    r["req_per_s"],
+                    r["cpu_s_per_request"] * 1000,
+                    r["cpu_decode"] * 1000,
+                    r["cpu_template"] * 1000,
+                    r["cpu_vision"] * 1000,
+                    r["cpu_loop_and_other"] * 1000,
+                    r["efficiency"],
+                ]
+            )
+    print_table(headers, rows)
+    print("(stage columns: thread CPU ms per request; torch's own worker threads count under loop+other)")
+    figures: dict[str, Any] = {"scenario": "prep", "machine": machine(), "requests": args.requests}
+    for kind in KINDS:
+        b, u = result["bounded"][kind], result["unlimited"][kind]
+        figures[kind] = {
+            "req_per_s": round(b["req_per_s"], 2),
+            "efficiency": round(b["efficiency"], 3),
+            "cpu_s_per_request": round(b["cpu_s_per_request"], 5),
+            "cpu_s_per_request_by_stage": {
+                k[4:]: round(v, 5) for k, v in b.items() if k.startswith("cpu_") and k != "cpu_s_per_request"
+            },
+            "unlimited_req_per_s": round(u["req_per_s"], 2),
+            "ratio_vs_unlimited": round(b["req_per_s"] / u["req_per_s"], 3),
+        }
+
+    def plot(ax: Any) -> None:
+        stages = ("decode", "template", "vision", "loop_and_other")
+        bottom = [0.0] * len(KINDS)
+        for stage in stages:
+            values = [result["bounded"][k][f"cpu_{stage}"] * 1000 for k in KINDS]
+            ax.bar(KINDS, values, bottom=bottom, label=stage)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_ylabel("CPU ms per request")
+        ax.legend()
+
+    write_outputs(args.out, "prep", figures, plot)
+    return figures
