@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None)
 
 
-async def _decode_gaps(pipe: Pipeline, n: int, tokens: int, window: list[float]) -> list[tuple[float, float]]:
-    """(time, gap) between consecutive tokens of ``n`` concurrent decodes."""
+async def _decode_gaps(
+    pipe: Pipeline, n: int, tokens: int, window: list[float], decoding: anyio.Event | None = None
+) -> list[tuple[float, float]]:
+    """(time, gap) between consecutive tokens of ``n`` concurrent decodes; sets ``decoding`` at the first."""
     gaps: list[tuple[float, float]] = []
 
     async def one(i: int) -> None:
@@ -44,6 +46,8 @@ async def _decode_gaps(pipe: Pipeline, n: int, tokens: int, window: list[float])
             now = time.perf_counter()
             if last is not None:
                 gaps.append((now, now - last))
+            elif decoding is not None:
+                decoding.set()
             last = now
 
     async with anyio.create_task_group() as tg:
@@ -62,6 +66,21 @@ async def _burst(pipe: Pipeline, data_url: str, n: int, window: list[float], rea
     window.append(time.perf_counter())
 
 
+async def _loaded_run(pipe: Pipeline, args: argparse.Namespace, data_url: str) -> list[tuple[float, float]]:
+    """The same decodes, with the image burst started once they are all producing tokens."""
+    window: list[float] = []
+    decoding = anyio.Event()
+    loaded: list[tuple[float, float]] = []
+
+    async def decodes() -> None:
+        loaded.extend(await _decode_gaps(pipe, args.decodes, args.tokens, window, decoding))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(decodes)
+        tg.start_soon(_burst, pipe, data_url, args.burst, window, decoding)
+    return loaded
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     data_url = "data:image/jpeg;base64," + base64.b64encode(_jpeg()).decode()
 
@@ -74,22 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             for _ in tqdm(range(args.repeats), desc="tpot-under-load", file=sys.stderr):
                 idle = await _decode_gaps(pipe, args.decodes, args.tokens, [])
-                window: list[float] = []
-                ready = anyio.Event()
-                loaded: list[tuple[float, float]] = []
-
-                async def decodes() -> None:
-                    loaded.extend(await _decode_gaps(pipe, args.decodes, args.tokens, window))
-
-                async def start_burst_soon() -> None:
-                    while pipe.metrics.tokens_generated == 0 or not pipe.engine.num_running:
-                        await anyio.sleep(0.001)
-                    ready.set()
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(decodes)
-                    tg.start_soon(start_burst_soon)
-                    tg.start_soon(_burst, pipe, data_url, args.burst, window, ready)
+                loaded = await _loaded_run(pipe, args, data_url)
                 out["idle"].append(median([g for _, g in idle]))
                 out["load"].append(median([g for _, g in loaded]) if loaded else float("nan"))
                 out["idle_gaps"] += [g for _, g in idle]
