@@ -1,49 +1,82 @@
 """Fetch stage: image bytes from ``data:``, ``http(s)`` and (under a media root) local URLs.
 
-One shared aiohttp ``ClientSession``; connect and total timeouts; redirects followed by hand (each
-hop re-checked, at most ``max_redirects``); image content types only; the byte cap enforced while
-the body streams in; private addresses refused unless allowed (see ``fetch_policy``).
+One shared aiohttp ``ClientSession``; one deadline across all redirect hops; redirects followed by
+hand (each hop re-checked, at most ``max_redirects``); image content types only; the byte cap
+enforced while the body streams in; private addresses refused unless allowed (see ``fetch_policy``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import os
+import re
+import stat
 from pathlib import Path
-from urllib.parse import unquote, urljoin, urlsplit
+from types import TracebackType
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import anyio
-from aiohttp.abc import AbstractResolver
+from yarl import URL
 
 from pipeline.config import PipelineConfig
 from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge
-from stages.fetch_policy import AddressRefused, CheckingResolver, is_public_address
+from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, Resolver, SystemResolver
 
 __all__ = ["FetchStage"]
 
 _CHUNK = 64 * 1024
 _INLINE_BASE64_LIMIT = 256 * 1024  # larger payloads are decoded in a worker thread (rule 1)
+_REDIRECTS = (301, 302, 303, 307, 308)
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+# S3 and many CDNs serve uploads as octet-stream; the decode stage checks the bytes themselves
+_ACCEPTED_TYPES = ("application/octet-stream",)
 
 
 def _shown(url: str) -> str:
-    return url if len(url) <= 64 else url[:61] + "..."
+    limit = 64 if url[:5].lower() == "data:" else 256
+    return url if len(url) <= limit else url[: limit - 3] + "..."
 
 
 class FetchStage:
+    """Fetches the bytes of image URLs, within the limits of ``config``."""
+
     name = "fetch"
 
-    def __init__(self, config: PipelineConfig, *, resolver: AbstractResolver | None = None) -> None:
+    def __init__(
+        self, config: PipelineConfig, *, resolver: Resolver | None = None, policy: AddressPolicy | None = None
+    ) -> None:
         self.config = config
         self.max_bytes = config.max_image_bytes
         self.limiter = anyio.CapacityLimiter(config.fetch_concurrency)
-        self._resolver = CheckingResolver(allow_private=config.allow_private_networks, inner=resolver)
+        self.policy = policy or AddressPolicy(allow_private=config.allow_private_networks)
+        self._resolver = PinnedResolver(resolver or SystemResolver(), self.policy)
         self._session: aiohttp.ClientSession | None = None
 
-    def _error(self, url: str, reason: str, field: str) -> ImageFetchError:
-        return ImageFetchError(f"cannot fetch image {_shown(url)}: {reason}", field=field, stage=self.name)
+    async def start(self) -> None:
+        """Create the shared HTTP session (``run`` does so on first use otherwise)."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(resolver=self._resolver, limit=self.config.fetch_concurrency)
+            timeout = aiohttp.ClientTimeout(
+                total=self.config.fetch_total_timeout_s, sock_connect=self.config.fetch_connect_timeout_s
+            )
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Close the shared HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> FetchStage:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
 
     async def run(self, url: str, *, field: str) -> bytes:
         """The bytes ``url`` points at.
@@ -51,7 +84,8 @@ class FetchStage:
         :raises ImageFetchError: refused or failed URL. :raises PayloadTooLarge: over the byte cap.
         :raises DeadlineExceeded: the server did not answer in time.
         """
-        scheme = urlsplit(url).scheme.lower() if ":" in url else ""
+        match = _SCHEME.match(url)
+        scheme = match.group(1).lower() if match else ""
         if scheme == "data":
             return await self._data_url(url, field)
         if scheme in ("http", "https"):
@@ -61,132 +95,129 @@ class FetchStage:
             return await self._local_file(url, field)
         raise self._error(url, f"unsupported URL scheme {scheme or '(none)'!r}", field)
 
+    def _error(self, url: str, reason: str, field: str) -> ImageFetchError:
+        return ImageFetchError(f"cannot fetch image {_shown(url)}: {reason}", field=field, stage=self.name)
+
+    def _too_large(self, url: str, size: str, field: str) -> PayloadTooLarge:
+        message = f"image {_shown(url)} is {size} bytes; at most {self.max_bytes} are allowed"
+        return PayloadTooLarge(message, field=field, stage=self.name)
+
     # -- data: -------------------------------------------------------------------------------
     async def _data_url(self, url: str, field: str) -> bytes:
         header, sep, payload = url[5:].partition(",")
         if not sep:
             raise self._error(url, "a data URL needs a ',' before its payload", field)
         media_type, *params = header.split(";")
-        if not media_type.lower().startswith("image/"):
+        if not media_type.strip().lower().startswith("image/"):
             raise self._error(url, f"media type {media_type or '(none)'!r} is not an image", field)
-        if "base64" not in (p.lower() for p in params):
+        if "base64" not in (p.strip().lower() for p in params):
             raise self._error(url, "only base64 data URLs are supported", field)
-        if len(payload) > self.max_bytes * 4 // 3 + 8:
-            raise PayloadTooLarge(
-                f"data URL of about {len(payload) * 3 // 4} bytes; at most {self.max_bytes} are allowed",
-                field=field,
-                stage=self.name,
-            )
+        if len(payload) > self.max_bytes * 4 // 3 + 4:  # before decoding anything
+            raise self._too_large(url, f"about {len(payload) * 3 // 4}", field)
         if len(payload) > _INLINE_BASE64_LIMIT:
-            data = await anyio.to_thread.run_sync(self._b64decode, url, payload, field)
+            data = await anyio.to_thread.run_sync(self._b64decode, url, payload, field, limiter=self.limiter)
         else:
             data = self._b64decode(url, payload, field)
         if len(data) > self.max_bytes:
-            raise PayloadTooLarge(f"image of {len(data)} bytes; at most {self.max_bytes}", field=field, stage=self.name)
+            raise self._too_large(url, str(len(data)), field)
         return data
 
     def _b64decode(self, url: str, payload: str, field: str) -> bytes:
+        payload = unquote(payload) if "%" in payload else payload
         try:
-            return base64.b64decode("".join(unquote(payload).split()), validate=True)
+            return base64.b64decode("".join(payload.split()), validate=True)
         except (binascii.Error, ValueError) as exc:
             raise self._error(url, f"broken base64 ({exc})", field) from None
 
     # -- http(s) -----------------------------------------------------------------------------
-    def _session_for_loop(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(resolver=self._resolver, limit=self.config.fetch_concurrency)
-            timeout = aiohttp.ClientTimeout(
-                total=self.config.fetch_total_timeout_s, sock_connect=self.config.fetch_connect_timeout_s
-            )
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        return self._session
-
-    def _check_literal_address(self, url: str, field: str) -> None:
-        # aiohttp does not resolve IP literals, so the resolver's check never sees them
-        host = urlsplit(url).hostname or ""
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            return
-        if not self.config.allow_private_networks and not is_public_address(host):
-            raise self._error(url, f"address {host} is private or local, which is not allowed", field)
-
     async def _http(self, url: str, field: str) -> bytes:
-        session = self._session_for_loop()
-        current = url
+        await self.start()
+        assert self._session is not None
         try:
-            for _hop in range(self.config.max_redirects + 1):
-                self._check_literal_address(current, field)
-                async with session.get(current, allow_redirects=False) as resp:
-                    if resp.status in (301, 302, 303, 307, 308):
-                        location = resp.headers.get("Location")
-                        if not location:
-                            raise self._error(url, f"redirect {resp.status} without a Location", field)
-                        current = urljoin(current, location)
-                        if urlsplit(current).scheme not in ("http", "https"):
-                            raise self._error(url, f"redirect to a non-http URL {_shown(current)}", field)
-                        continue
-                    return await self._read_body(url, resp, field)
-            raise self._error(url, f"more than {self.config.max_redirects} redirects", field)
+            with anyio.fail_after(self.config.fetch_total_timeout_s):  # one deadline for every hop
+                return await self._follow(self._session, url, field)
         except TimeoutError:
-            raise DeadlineExceeded(
-                f"image {_shown(url)} did not arrive within {self.config.fetch_total_timeout_s:g} s",
-                field=field,
-                stage=self.name,
-            ) from None
+            message = f"image {_shown(url)} did not arrive within {self.config.fetch_total_timeout_s:g} s"
+            raise DeadlineExceeded(message, field=field, stage=self.name) from None
         except AddressRefused as exc:
             raise self._error(url, str(exc), field) from None
         except aiohttp.ClientConnectorError as exc:
-            if isinstance(exc.os_error, AddressRefused):
-                raise self._error(url, str(exc.os_error), field) from None
-            raise self._error(url, f"connection failed ({exc.os_error})", field) from None
+            reason = str(exc.os_error) if isinstance(exc.os_error, AddressRefused) else f"cannot connect ({exc})"
+            raise self._error(url, reason, field) from None
         except aiohttp.ClientError as exc:
             raise self._error(url, f"{type(exc).__name__}: {exc}", field) from None
+
+    async def _follow(self, session: aiohttp.ClientSession, url: str, field: str) -> bytes:
+        target = self._parse_http(url, url, field)
+        for _hop in range(self.config.max_redirects + 1):
+            self.policy.check_literal(target.raw_host or "")
+            async with session.get(target, allow_redirects=False) as resp:
+                if resp.status not in _REDIRECTS:
+                    return await self._read_body(url, resp, field)
+                location = resp.headers.get("Location")
+                if not location:
+                    raise self._error(url, f"redirect {resp.status} without a Location", field)
+                target = self._parse_http(url, str(target.join(URL(location))), field)
+        raise self._error(url, f"more than {self.config.max_redirects} redirects", field)
+
+    def _parse_http(self, url: str, hop: str, field: str) -> URL:
+        try:
+            target = URL(hop)
+        except ValueError as exc:
+            raise self._error(url, f"malformed URL {_shown(hop)} ({exc})", field) from None
+        if target.scheme not in ("http", "https") or not target.raw_host:
+            raise self._error(url, f"{_shown(hop)} is not an http(s) URL with a host", field)
+        return target
 
     async def _read_body(self, url: str, resp: aiohttp.ClientResponse, field: str) -> bytes:
         if resp.status != 200:
             raise self._error(url, f"the server answered {resp.status}", field)
+        # the raw header: aiohttp's resp.content_type says octet-stream when the header is missing
         content_type = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if not content_type.startswith("image/"):
+        if not content_type.startswith("image/") and content_type not in _ACCEPTED_TYPES:
             raise self._error(url, f"content type {content_type or '(none)'!r} is not an image", field)
         if resp.content_length is not None and resp.content_length > self.max_bytes:
-            raise PayloadTooLarge(
-                f"image {_shown(url)} is {resp.content_length} bytes; at most {self.max_bytes}",
-                field=field,
-                stage=self.name,
-            )
-        body = bytearray()
-        async for chunk in resp.content.iter_chunked(_CHUNK):
-            body += chunk
-            if len(body) > self.max_bytes:  # an endless body is cut off here
-                raise PayloadTooLarge(
-                    f"image {_shown(url)} is over {self.max_bytes} bytes", field=field, stage=self.name
-                )
-        return bytes(body)
+            raise self._too_large(url, str(resp.content_length), field)
+        chunks: list[bytes] = []
+        num_bytes = 0
+        # never ask for more than cap + 1 bytes: an endless body is cut off there
+        while chunk := await resp.content.read(min(_CHUNK, self.max_bytes + 1 - num_bytes)):
+            chunks.append(chunk)
+            num_bytes += len(chunk)
+            if num_bytes > self.max_bytes:
+                raise self._too_large(url, f"more than {self.max_bytes}", field)
+        return b"".join(chunks)
 
     # -- local files ---------------------------------------------------------------------------
     async def _local_file(self, url: str, field: str) -> bytes:
         root = self.config.media_root
         if root is None:
             raise self._error(url, "local files are not allowed (no media root is configured)", field)
-        raw = unquote(urlsplit(url).path) if url.startswith("file:") else url
+        if url[:5].lower() == "file:":
+            parts = urlsplit(url)
+            if parts.netloc not in ("", "localhost"):
+                raise self._error(url, f"file URL names another host {parts.netloc!r}", field)
+            raw = unquote(parts.path)
+        else:
+            raw = url
+        return await anyio.to_thread.run_sync(self._read_file, url, raw, root, field, limiter=self.limiter)
 
-        def read() -> bytes:
-            path = Path(os.path.realpath(raw))  # symlinks and '..' resolved before the check
-            if not path.is_relative_to(Path(os.path.realpath(root))):
-                raise self._error(url, "the path is outside the media root", field)
-            try:
-                with open(path, "rb") as handle:
-                    data = handle.read(self.max_bytes + 1)
-            except OSError as exc:
-                raise self._error(url, f"cannot read the file ({exc.strerror})", field) from None
-            if len(data) > self.max_bytes:
-                raise PayloadTooLarge(f"file over {self.max_bytes} bytes", field=field, stage=self.name)
-            return data
-
-        return await anyio.to_thread.run_sync(read)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+    def _read_file(self, url: str, raw: str, root: str, field: str) -> bytes:
+        path = Path(os.path.realpath(raw))  # symlinks and '..' resolved before the check
+        if not path.is_relative_to(os.path.realpath(root)):
+            raise self._error(url, "the path is outside the media root, which is not allowed", field)
+        try:
+            # O_NOFOLLOW: the checked path cannot be swapped for a symlink; O_NONBLOCK: a FIFO cannot hang us
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            with open(fd, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    raise self._error(url, "not a regular file", field)
+                if info.st_size > self.max_bytes:
+                    raise self._too_large(url, str(info.st_size), field)
+                data = handle.read(self.max_bytes + 1)
+        except OSError as exc:
+            raise self._error(url, f"cannot read the file ({exc.strerror})", field) from None
+        if len(data) > self.max_bytes:
+            raise self._too_large(url, f"more than {self.max_bytes}", field)
+        return data

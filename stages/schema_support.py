@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.errors import UnsupportedSchemaError
 
-__all__ = ["ENFORCED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unsupported"]
+__all__ = ["IGNORED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unsupported"]
 
 # The grammar accepts instances that violate these.
 IGNORED_KEYWORDS = frozenset(
@@ -31,24 +31,9 @@ IGNORED_KEYWORDS = frozenset(
         "dependencies",
     }
 )
-ENFORCED_FORMATS = frozenset(
-    {
-        "email",
-        "date",
-        "date-time",
-        "time",
-        "duration",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "uuid",
-        "ipv4",
-        "ipv6",
-        "hostname",
-        "json-pointer",
-        "relative-json-pointer",
-    }
-)
+# Standard formats (JSON Schema 2020-12) that xgrammar does not enforce. Other standard formats it
+# enforces; vendor formats ("flag-topic", "byte") are annotations that validators ignore as well.
+IGNORED_FORMATS = frozenset({"regex", "iri", "iri-reference", "idn-email", "idn-hostname"})
 # Keywords whose value is a schema, a list of schemas, or a map of name -> schema.
 _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -73,8 +58,11 @@ def find_unsupported(schema: Any, path: str = "") -> list[str]:
         return []
     found = [f"{path}/{key}" for key in schema if key in IGNORED_KEYWORDS]
     fmt = schema.get("format")
-    if isinstance(fmt, str) and schema.get("type") in ("string", None) and fmt not in ENFORCED_FORMATS:
+    if isinstance(fmt, str) and fmt in IGNORED_FORMATS:
         found.append(f"{path}/format ({fmt})")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{path}/$ref (remote: {ref[:60]})")  # never fetched: xgrammar treats it as any value
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         found.append(f"{path}/allOf (more than one subschema)")
