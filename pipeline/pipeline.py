@@ -188,6 +188,7 @@ class Pipeline:
         prep: _Prep = job.payload
         started = time.perf_counter()
         try:
+            assert prep.request.grammar is not None
             prep.grammar = await self.grammar.compile(prep.request.grammar, request_id=job.request_id)
         except PipelineError as exc:
             prep.grammar_error = exc.bind(stage="grammar", request_id=job.request_id)

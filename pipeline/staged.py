@@ -11,7 +11,7 @@ the thread returns), so a cancellation storm cannot pile up thread work.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,7 @@ class Job:
 Step = Callable[[Job], Awaitable[None]]
 
 
-async def run_each(fn: Callable[[int], Awaitable[None]], count: int) -> None:
+async def run_each(fn: Callable[[int], Coroutine[Any, Any, None]], count: int) -> None:
     """Run ``fn(0) ... fn(count - 1)`` concurrently; the first to fail cancels the rest and its
     error is raised as itself (not wrapped in an exception group), so it keeps its HTTP status."""
     try:

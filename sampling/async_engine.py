@@ -13,6 +13,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -66,7 +67,7 @@ class OutputStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, queue_size: int) -> None:
         self.engine = engine
-        self._commands: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._commands: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._streams: dict[str, OutputStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,10 +112,12 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- on the engine thread ----------------------------------------------------------------
-    def _handle(self, command: object) -> bool:
+    def _handle(self, command: Any) -> bool:
         if command is _STOP:
             return False
-        kind, arg = command  # type: ignore[misc]
+        kind: str
+        arg: Any
+        kind, arg = command  # ("add", EngineInput) | ("abort", request_id)
         if kind == "add":
             self.engine.add(arg)
         elif kind == "abort":

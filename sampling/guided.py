@@ -38,7 +38,7 @@ class GuidedDecoder:
             self.host_bitmask = self.host_bitmask.pin_memory()
         self._batch = xgr.BatchGrammarMatcher(max_threads)
 
-    def fill(self, matchers: list[xgr.GrammarMatcher], rows: list[int]) -> None:
+    def fill(self, matchers: list[Any], rows: list[int]) -> None:
         """Fill the bitmask rows ``rows`` from ``matchers`` (host work; releases the GIL)."""
         self._batch.batch_fill_next_token_bitmask(matchers, self.host_bitmask, rows)
 
@@ -50,7 +50,7 @@ class GuidedDecoder:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
     @staticmethod
-    def accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
+    def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
         if not matchers:
             return []
         return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)

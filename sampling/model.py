@@ -151,6 +151,8 @@ class MistralLM(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 
@@ -164,7 +166,8 @@ class MistralLM(nn.Module):
         cos = self.rope_cos[batch.positions].unsqueeze(2).to(embeds.dtype)
         sin = self.rope_sin[batch.positions].unsqueeze(2).to(embeds.dtype)
         h = embeds
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        layers: list[_Layer] = list(self.layers)  # type: ignore[arg-type]
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, batch)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)

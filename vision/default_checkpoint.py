@@ -31,7 +31,7 @@ def tekken_tokenizer_path() -> str:
 def _model_config():  # type: ignore[no-untyped-def]
     from transformers import LlavaConfig, MistralConfig, PixtralVisionConfig
 
-    vision = PixtralVisionConfig(
+    vision = PixtralVisionConfig(  # type: ignore[call-arg]
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -42,7 +42,7 @@ def _model_config():  # type: ignore[no-untyped-def]
         patch_size=PATCH_SIZE,
         rope_theta=10_000.0,
     )
-    text = MistralConfig(
+    text = MistralConfig(  # type: ignore[call-arg]
         vocab_size=131_072,
         hidden_size=64,
         intermediate_size=192,

@@ -48,7 +48,7 @@ class VisionEncoder:
         )
         _load(self.tower, checkpoint.load_weights(("vision_tower.",)), "vision_tower")
         _load(self.projector, checkpoint.load_weights(("multi_modal_projector.",)), "multi_modal_projector")
-        self.tower.to(self.device, self.dtype).eval()
+        self.tower.to(self.device, self.dtype).eval()  # type: ignore[call-arg, arg-type]
         self.projector.to(self.device, self.dtype).eval()
 
     @property

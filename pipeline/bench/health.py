@@ -206,9 +206,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def plot(ax: Any) -> None:
         for mode, style in (("pipeline", "-"), ("inline", ":")):
-            samples = results[mode][-1]["samples"]
+            samples: list[tuple[float, float]] = results[mode][-1]["samples"]  # type: ignore[assignment]
             t0 = samples[0][0]
-            ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)  # type: ignore[union-attr]
+            ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)
         ax.set_xlabel("seconds since the probe started")
         ax.set_ylabel("/health latency (ms)")
         ax.set_yscale("log")
