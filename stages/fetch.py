@@ -50,6 +50,9 @@ class FetchStage:
         self.config = config
         self.max_bytes = config.max_image_bytes
         self.limiter = anyio.CapacityLimiter(config.fetch_concurrency)
+        # base64 decoding holds the GIL for its whole call (~1 ms per 400 KB): one thread at a time,
+        # so a burst of data URLs cannot crowd the event loop out of the interpreter
+        self.base64_limiter = anyio.CapacityLimiter(1)
         self.policy = policy or AddressPolicy(allow_private=config.allow_private_networks)
         self._resolver = PinnedResolver(resolver or SystemResolver(), self.policy)
         self._session: aiohttp.ClientSession | None = None
@@ -115,7 +118,7 @@ class FetchStage:
         if len(payload) > self.max_bytes * 4 // 3 + 4:  # before decoding anything
             raise self._too_large(url, f"about {len(payload) * 3 // 4}", field)
         if len(payload) > _INLINE_BASE64_LIMIT:
-            data = await anyio.to_thread.run_sync(self._b64decode, url, payload, field, limiter=self.limiter)
+            data = await anyio.to_thread.run_sync(self._b64decode, url, payload, field, limiter=self.base64_limiter)
         else:
             data = self._b64decode(url, payload, field)
         if len(data) > self.max_bytes:
