@@ -71,19 +71,27 @@ class VisionEncodeStage:
                 for p in batch:
                     p.done.set()
 
+    def _encode_each(self, images: list[PreparedImage]) -> list[torch.Tensor | Exception]:
+        """One worker-thread call for the batch; an image that fails fails only its own request."""
+        out: list[torch.Tensor | Exception] = []
+        for image in images:
+            try:
+                out.append(self.encoder.encode([image])[0])
+            except Exception as exc:
+                out.append(exc)
+        return out
+
     async def _encode(self, batch: list[_Pending]) -> None:
         if not batch:
             return
         self.batch_sizes.append(len(batch))
-        try:
-            with anyio.CancelScope(shield=True):  # the thread finishes anyway; wait for it
-                rows = await self.offload.run(self.encoder.encode, [p.image for p in batch])
-        except Exception as exc:  # the encoder failed: fail exactly this batch's requests
-            for p in batch:
-                p.error = exc
-            return
-        for p, r in zip(batch, rows, strict=True):
-            p.result = r
+        with anyio.CancelScope(shield=True):  # the thread finishes anyway; wait for it
+            results = await self.offload.run(self._encode_each, [p.image for p in batch])
+        for p, result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                p.error = result
+            else:
+                p.result = result
 
     async def run(self, images: list[PreparedImage]) -> torch.Tensor | None:
         """Embeddings of all ``images`` stacked ``[sum(num_patches), hidden]``, or None without images.

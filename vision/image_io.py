@@ -4,7 +4,6 @@ EXIF orientation, first frame of animations, and every mode converted to RGB."""
 from __future__ import annotations
 
 import io
-import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -20,10 +19,13 @@ def _open(data: bytes, field: str) -> Image.Image:
     if not data:
         raise ImageDecodeError("the image is empty", field=field, stage="decode")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
-    except (UnidentifiedImageError, Image.DecompressionBombWarning, Image.DecompressionBombError):
+        # Pillow warns above MAX_IMAGE_PIXELS and refuses above twice that; our own cap (checked
+        # right after open, before any pixel is decoded) is lower, so its warning is only noise, and an
+        # error (or a warning turned into one) is the same refusal
+        return Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise PayloadTooLarge(f"image too large to decode: {exc}", field=field, stage="decode") from None
+    except UnidentifiedImageError:
         raise ImageDecodeError(
             f"not a supported image ({', '.join(SUPPORTED_FORMATS)})", field=field, stage="decode"
         ) from None

@@ -1,0 +1,193 @@
+"""A corpus of malformed requests over HTTP: each gets a 4xx naming the field; the server stays healthy."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pipeline import PipelineConfig
+from pipeline.pipeline import Pipeline
+from pipeline.server import create_app
+from tests.images import encode, make_image
+
+URL = "messages[0].content[1].image_url.url"
+
+
+def huge_png_header(width: int = 20_000, height: int = 20_000) -> bytes:
+    """A PNG that claims 20,000 x 20,000 pixels, built by hand (a real one would need 1.2 GB)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    row = b"\0" + b"\0" * (width * 3)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(row * 4, 9)) + chunk(b"IEND", b"")
+
+
+def b64(raw: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(raw).decode()
+
+
+def msg(*parts: Any, role: str = "user") -> dict[str, Any]:
+    return {"messages": [{"role": role, "content": list(parts)}]}
+
+
+def img(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+TEXT = {"type": "text", "text": "look"}
+OK = {"messages": [{"role": "user", "content": "hi"}]}
+PNG = encode(make_image(32, 32, seed=1))
+
+CORPUS: list[tuple[str, Any, int, str]] = [
+    ("not json", b"{nope", 400, "body"),
+    ("json array", [], 400, "body"),
+    ("no messages", {}, 400, "messages"),
+    ("messages not a list", {"messages": "hi"}, 400, "messages"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("message not an object", {"messages": ["hi"]}, 400, "messages[0]"),
+    ("no role", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ("bogus role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("no content", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("numeric content", {"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),
+    ("empty content list", {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
+    ("part not an object", msg("text"), 400, "messages[0].content[0]"),
+    ("unknown part type", msg({"type": "video"}), 400, "messages[0].content[0].type"),
+    ("text not a string", msg({"type": "text", "text": ["a"]}), 400, "messages[0].content[0].text"),
+    ("image_url without url", msg(TEXT, {"type": "image_url", "image_url": {}}), 400, URL),
+    ("empty url", msg(TEXT, img("")), 400, URL),
+    ("broken base64", msg(TEXT, img("data:image/png;base64,iVBORw0K%%%GgoAAA")), 400, URL),
+    ("data URL not an image", msg(TEXT, img("data:text/plain;base64,aGVsbG8=")), 400, URL),
+    ("data URL not base64", msg(TEXT, img("data:image/png,rawbytes")), 400, URL),
+    ("text file called .png", msg(TEXT, img(b64(b"just some text, honestly"))), 400, URL),
+    ("truncated png", msg(TEXT, img(b64(PNG[: len(PNG) // 2]))), 400, URL),
+    ("20000x20000 png", msg(TEXT, img(b64(huge_png_header()))), 413, URL),
+    ("empty image", msg(TEXT, img("data:image/png;base64,")), 400, URL),
+    ("too many images", msg(TEXT, *[img(b64(PNG))] * 9), 400, "messages"),
+    ("image in a system message", msg(img(b64(PNG)), role="system"), 400, "messages[0].content"),
+    ("ftp url", msg(TEXT, img("ftp://example.com/a.png")), 400, URL),
+    ("local file without media root", msg(TEXT, img("file:///etc/passwd")), 400, URL),
+    ("loopback url", msg(TEXT, img("http://127.0.0.1:9/a.png")), 400, URL),
+    ("link-local url", msg(TEXT, img("http://169.254.169.254/latest/meta-data")), 400, URL),
+    ("unknown response_format", {**OK, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("response_format not an object", {**OK, "response_format": "json"}, 400, "response_format"),
+    ("json_schema missing", {**OK, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
+    (
+        "schema that is not JSON",
+        {**OK, "response_format": {"type": "json_schema", "json_schema": {"schema": "{a:"}}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "schema that is a list",
+        {**OK, "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "strict not a boolean",
+        {**OK, "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}}},
+        400,
+        "response_format.json_schema.strict",
+    ),
+    (
+        "schema with uniqueItems",
+        {
+            **OK,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "array", "uniqueItems": True}},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "contradictory schema",
+        {
+            **OK,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    ("regex with lookahead", {**OK, "regex": "(?=x)x"}, 400, "regex"),
+    ("regex with backreference", {**OK, "regex": "(a)\\1"}, 400, "regex"),
+    ("broken EBNF", {**OK, "grammar": "root ::= ("}, 400, "grammar"),
+    ("empty choice", {**OK, "choice": []}, 400, "choice"),
+    ("choice with a number", {**OK, "choice": ["a", 2]}, 400, "choice"),
+    ("regex and grammar", {**OK, "regex": "a", "grammar": 'root ::= "a"'}, 400, "grammar"),
+    ("negative max_tokens", {**OK, "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens a string", {**OK, "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens too large", {**OK, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("n = 0", {**OK, "n": 0}, 400, "n"),
+    ("n = 100", {**OK, "n": 100}, 400, "n"),
+    ("negative temperature", {**OK, "temperature": -1}, 400, "temperature"),
+    ("top_p = 0", {**OK, "top_p": 0}, 400, "top_p"),
+    ("seed a float", {**OK, "seed": 1.5}, 400, "seed"),
+    ("too many stop strings", {**OK, "stop": [str(i) for i in range(20)]}, 400, "stop"),
+    ("stream not a boolean", {**OK, "stream": "true"}, 400, "stream"),
+    ("last message from the assistant", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages[0].role"),
+    ("prompt too long", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
+    ("text mimicking the image token", {"messages": [{"role": "user", "content": "[IMG]"}]}, 400, "messages"),
+]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def served() -> AsyncIterator[tuple[str, Pipeline]]:
+    config = PipelineConfig(max_prompt_tokens=1024, max_running_seqs=4, num_kv_blocks=256, max_model_len=2048)
+    async with Pipeline(config) as pipe:
+        runner = web.AppRunner(create_app(pipe))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        try:
+            yield f"http://{host}:{port}", pipe
+        finally:
+            await runner.cleanup()
+
+
+def test_the_corpus_is_large_enough() -> None:
+    assert len(CORPUS) >= 40
+
+
+@pytest.mark.parametrize(("name", "body", "status", "field"), CORPUS, ids=[c[0] for c in CORPUS])
+async def test_bad_input_gets_a_4xx_naming_the_field(
+    served: tuple[str, Pipeline], name: str, body: Any, status: int, field: str
+) -> None:
+    server, pipe = served
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{server}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+        ) as resp:
+            payload = await resp.json()
+            assert resp.status == status, payload
+        error = payload["error"]
+        assert error["param"] == field, error
+        assert error["message"] and error["type"]
+        async with session.get(f"{server}/health") as health:
+            assert health.status == 200 and (await health.json())["status"] == "ok"
+        # and the server still serves a good request
+        async with session.post(f"{server}/v1/chat/completions", json={**OK, "max_tokens": 1}) as resp:
+            assert resp.status == 200
+    await pipe.wait_idle()  # a refused request leaves the stages at their next boundary
+    assert pipe.num_pending == 0

@@ -1,0 +1,189 @@
+"""Faults fail only the requests they touch, with a clear error; the rest complete."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+from aiohttp import web
+
+from pipeline import PipelineConfig
+from pipeline.errors import (
+    DeadlineExceeded,
+    EngineError,
+    GrammarError,
+    ImageFetchError,
+    PayloadTooLarge,
+    PipelineError,
+)
+from pipeline.pipeline import Pipeline
+from tests.images import encode, image_request, make_image
+
+PNG = encode(make_image(32, 32, seed=3))
+
+
+@dataclass
+class Faulty:
+    base: str
+    release: anyio.Event
+
+
+@pytest.fixture
+async def faulty_images() -> AsyncIterator[Faulty]:
+    """An image server with one well-behaved route and one route per fault."""
+    release = anyio.Event()
+
+    async def good(_: web.Request) -> web.Response:
+        return web.Response(body=PNG, content_type="image/png")
+
+    async def hang(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(body=PNG, content_type="image/png")
+
+    async def reset(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        request.transport.abort()  # RST instead of an answer
+        await release.wait()
+        return web.Response()
+
+    async def html(_: web.Request) -> web.Response:
+        return web.Response(text="<html>not an image</html>", content_type="text/html")
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "image/png"})
+        await response.prepare(request)
+        chunk = b"\0" * 65536
+        while True:
+            await response.write(chunk)
+
+    app = web.Application()
+    for name, handler in (("good", good), ("hang", hang), ("reset", reset), ("html", html), ("endless", endless)):
+        app.router.add_get(f"/{name}.png", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield Faulty(f"http://{host}:{port}", release)
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def pipe() -> AsyncIterator[Pipeline]:
+    config = PipelineConfig(
+        allow_private_networks=True,
+        fetch_total_timeout_s=0.5,
+        max_image_bytes=1024 * 1024,
+        max_running_seqs=8,
+        num_kv_blocks=512,
+        max_model_len=4096,
+    )
+    async with Pipeline(config) as p:
+        yield p
+
+
+async def _outcomes(pipe: Pipeline, bodies: list[dict[str, Any]]) -> list[Any]:
+    handles = [await pipe.submit(b) for b in bodies]
+    results: list[Any] = []
+    for handle in handles:
+        try:
+            results.append(await handle.result())
+        except PipelineError as exc:
+            results.append(exc)
+    return results
+
+
+async def test_image_server_faults_fail_only_their_requests(pipe: Pipeline, faulty_images: Faulty) -> None:
+    base = faulty_images.base
+    names = ["hang", "good", "reset", "html", "endless", "good"]
+    bodies = [image_request([f"{base}/{n}.png"], max_tokens=3) for n in names]
+    with anyio.fail_after(30):
+        results = await _outcomes(pipe, bodies)
+    expected = [DeadlineExceeded, None, ImageFetchError, ImageFetchError, PayloadTooLarge, None]
+    for name, result, kind in zip(names, results, expected, strict=True):
+        if kind is None:
+            assert result.completion_tokens == 3, name
+        else:
+            assert isinstance(result, kind), (name, result)
+            assert result.field == "messages[0].content[1].image_url.url" and result.stage == "fetch"
+            assert "/" + name + ".png" in result.message
+    assert [r.status for r in results if isinstance(r, PipelineError)] == [504, 400, 400, 413]
+    await pipe.drain(10)
+    assert pipe.num_pending == 0 and pipe.fetch.limiter.borrowed_tokens == 0
+
+
+async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pipe.encoder is not None
+    real = pipe.encoder.encode
+
+    def flaky(images: list[Any]) -> list[Any]:
+        if any(im.num_cols == 3 for im in images):  # the 48-pixel-wide image
+            raise RuntimeError("simulated encoder fault")
+        return real(images)
+
+    monkeypatch.setattr(pipe.encoder, "encode", flaky)
+    widths = [32, 48, 64]
+    bodies = [image_request([_data(encode(make_image(w, 32, seed=w)))], max_tokens=2) for w in widths]
+    with anyio.fail_after(30):
+        results = await _outcomes(pipe, bodies)
+    assert results[0].completion_tokens == 2 and results[2].completion_tokens == 2
+    assert isinstance(results[1], PipelineError) and results[1].status == 500
+    assert "simulated encoder fault" in results[1].message and results[1].stage == "vision"
+
+
+async def test_grammar_failure_and_deadline(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real = pipe.grammar._compile_sync
+
+    def slow_for_one(spec: Any) -> Any:
+        if spec.kind == "regex" and spec.value == "slow+":
+            gate.wait(20)
+        return real(spec)
+
+    monkeypatch.setattr(pipe.grammar, "_compile_sync", slow_for_one)
+    pipe.grammar.timeout_s = 0.2
+    text = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    bodies = [{**text, "regex": "slow+"}, {**text, "regex": "(?<=a)b"}, {**text, "regex": "[ab]+"}, text]
+    with anyio.fail_after(30):
+        results = await _outcomes(pipe, bodies)
+        gate.set()
+        await pipe.wait_idle()
+    assert isinstance(results[0], DeadlineExceeded) and results[0].status == 504 and results[0].field == "regex"
+    assert isinstance(results[1], GrammarError) and results[1].status == 400 and results[1].field == "regex"
+    assert results[2].completion_tokens >= 1 and set(results[2].text) <= {"a", "b"}
+    assert results[3].completion_tokens == 2
+    assert pipe.grammar.limiter.borrowed_tokens == 0
+
+
+async def test_engine_step_raising_for_one_sequence(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = pipe.engine.engine.runner
+    poison = pipe.tokenizer.encode("POISONED", add_special_tokens=False)
+    real = runner.prefill
+
+    def prefill(token_ids: list[int], *args: Any) -> Any:
+        if any(token_ids[i : i + len(poison)] == poison for i in range(len(token_ids))):
+            raise RuntimeError("simulated device fault")
+        return real(token_ids, *args)
+
+    monkeypatch.setattr(runner, "prefill", prefill)
+    bodies = [{"messages": [{"role": "user", "content": t}], "max_tokens": 4} for t in ("fine", "POISONED", "also")]
+    with anyio.fail_after(30):
+        results = await _outcomes(pipe, bodies)
+    assert isinstance(results[1], EngineError) and "simulated device fault" in results[1].message
+    assert results[0].completion_tokens == 4 and results[2].completion_tokens == 4
+    await pipe.drain(10)
+    assert pipe.engine.num_running == 0
+    assert pipe.engine.engine.scheduler.allocator.num_free == pipe.engine.engine.scheduler.allocator.num_blocks
+
+
+def _data(raw: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
