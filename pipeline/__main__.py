@@ -77,6 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
     from pipeline.config import PipelineConfig
     from pipeline.pipeline import Pipeline
     from pipeline.server import create_app
+    from pipeline.trace import Tracer
 
     config = PipelineConfig(
         model=args.model,
@@ -87,7 +88,8 @@ async def serve(args: argparse.Namespace) -> None:
         stage_queue_size=args.stage_queue_size,
     )
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
-    async with Pipeline(config) as pipe:
+    tracer = Tracer() if args.trace else None
+    async with Pipeline(config, tracer=tracer) as pipe:
         runner = web.AppRunner(create_app(pipe), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
@@ -106,6 +108,9 @@ async def serve(args: argparse.Namespace) -> None:
         pipe.stop_accepting()
         await pipe.drain(args.shutdown_timeout)
         await runner.cleanup()
+    if tracer is not None:
+        tracer.write(args.trace)
+        print(f"trace: {tracer.num_events} events written to {args.trace}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
     s.add_argument("--shutdown-timeout", type=float, default=30.0)
+    s.add_argument("--trace", default=None, help="write every request's stage spans (Chrome trace JSON) at exit")
     b = sub.add_parser("bench", help="benchmarks (see DESIGN.md)")
     from pipeline.bench import add_bench_arguments, run_bench
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import anyio
 from pipeline.errors import EngineError, PipelineError, RequestCancelled
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest
+from pipeline.trace import Tracer
 from sampling.inputs import EngineInput
 
 __all__ = ["Choice", "Delta", "RequestHandle", "Result"]
@@ -57,7 +59,8 @@ class Result:
 class RequestHandle:
     """Returned by ``Pipeline.submit()``; iterate for deltas, ``await result()``, or ``cancel()``."""
 
-    def __init__(self, request: ChatRequest, engine: Any, metrics: Metrics) -> None:
+    def __init__(self, request: ChatRequest, engine: Any, metrics: Metrics, *, tracer: Tracer | None = None) -> None:
+        self._tracer = tracer
         self.request = request
         self.request_id = request.request_id
         self._engine = engine
@@ -98,10 +101,13 @@ class RequestHandle:
 
     async def _decode(self, inp: EngineInput, started: float) -> None:
         stream = self._engine.submit(inp)
+        submitted = time.perf_counter()
         try:
             async for out in stream:
                 if "first_token" not in self._timings:
                     self._timings["first_token"] = anyio.current_time() - started
+                    if self._tracer is not None:
+                        self._tracer.instant("first token", self.request_id)
                 if out.error is not None:
                     raise EngineError(out.error, stage="engine", request_id=self.request_id)
                 choice = self._choices[out.index]
@@ -112,6 +118,9 @@ class RequestHandle:
                 self._deltas.append(Delta(out.index, out.text, out.token_ids, out.finish_reason))
                 self._new_delta.set()
         finally:
+            if self._tracer is not None:
+                tokens = sum(len(c.token_ids) for c in self._choices)
+                self._tracer.span("decode", "engine", self.request_id, submitted, time.perf_counter(), tokens=tokens)
             if not stream.is_finished:
                 self._engine.abort(self.request_id)  # frees its KV slot and matcher at the next step
 

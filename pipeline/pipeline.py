@@ -17,6 +17,7 @@ from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest, parse_chat_request
 from pipeline.staged import Job, StageWorkers, run_each
+from pipeline.trace import Tracer
 from sampling.inputs import EngineInput
 from stages.decode import DecodeStage
 from stages.fetch import FetchStage
@@ -47,8 +48,11 @@ class _Prep:
 class Pipeline:
     """The request pipeline and decode engine of one model; use as ``async with Pipeline(cfg) as p``."""
 
-    def __init__(self, config: PipelineConfig | None = None, *, with_engine: bool = True) -> None:
+    def __init__(
+        self, config: PipelineConfig | None = None, *, with_engine: bool = True, tracer: Tracer | None = None
+    ) -> None:
         self.config = config or PipelineConfig()
+        self.tracer = tracer
         self.with_engine = with_engine
         self.metrics = Metrics()
         self._pending = 0
@@ -73,6 +77,7 @@ class Pipeline:
             from sampling.factory import build_engine
 
             self.engine = build_engine(ck, self.tokenizer_info, cfg, device=self.device)
+            self.engine.engine.tracer = self.tracer
 
     async def __aenter__(self) -> Pipeline:
         await anyio.to_thread.run_sync(self._load)
@@ -140,7 +145,14 @@ class Pipeline:
             ("vision", self._vision_step, cfg.vision_max_batch * 2),
         ]
         stages = [
-            StageWorkers(name, step, num_workers=n, queue_size=cfg.stage_queue_size, metrics=self.metrics.stage(name))
+            StageWorkers(
+                name,
+                step,
+                num_workers=n,
+                queue_size=cfg.stage_queue_size,
+                metrics=self.metrics.stage(name),
+                tracer=self.tracer,
+            )
             for name, step, n in steps
         ]
         for before, after in zip(stages, stages[1:], strict=False):
@@ -197,7 +209,10 @@ class Pipeline:
             prep.grammar_error = PipelineError(f"internal error: {exc!r}", stage="grammar", request_id=job.request_id)
             job.fail(prep.grammar_error)
         finally:
-            job.timings["grammar"] = time.perf_counter() - started
+            ended = time.perf_counter()
+            job.timings["grammar"] = ended - started
+            if self.tracer is not None:
+                self.tracer.span("grammar compile", "grammar", job.request_id, started, ended)
             prep.grammar_done.set()
 
     # -- admission ----------------------------------------------------------------------------
@@ -231,6 +246,8 @@ class Pipeline:
                 "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
             ) from None
         self._pending += 1
+        if self.tracer is not None:
+            self.tracer.instant("admitted", request.request_id, images=len(request.images))
         assert self._tg is not None
         if request.grammar is not None:
             self._tg.start_soon(self._compile_grammar, job)
@@ -275,7 +292,7 @@ class Pipeline:
         if not isinstance(request, ChatRequest):
             request = self.parse(request)
         job = self._admit(request)
-        handle = RequestHandle(request, self.engine, self.metrics)
+        handle = RequestHandle(request, self.engine, self.metrics, tracer=self.tracer)
         self._handles.add(handle)
         assert self._tg is not None
         self._tg.start_soon(self._run_handle, handle, job)

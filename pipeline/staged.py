@@ -21,6 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.errors import PipelineError, RequestCancelled
 from pipeline.metrics import StageMetrics
+from pipeline.trace import Tracer
 
 __all__ = ["Job", "StageWorkers", "run_each"]
 
@@ -36,6 +37,7 @@ class Job:
     error: PipelineError | None = None
     timings: dict[str, float] = field(default_factory=dict)
     _scope: anyio.CancelScope | None = None
+    enqueued_at: float = field(default_factory=time.perf_counter)  # when it entered its current inbox
     on_leave: Callable[[Job], None] | None = None  # called once, when no stage holds the job any more
 
     @property
@@ -93,8 +95,18 @@ def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
 class StageWorkers:
     """A stage's inbox and workers; ``next`` is the following stage (None for the last)."""
 
-    def __init__(self, name: str, step: Step, *, num_workers: int, queue_size: int, metrics: StageMetrics) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: Step,
+        *,
+        num_workers: int,
+        queue_size: int,
+        metrics: StageMetrics,
+        tracer: Tracer | None = None,
+    ) -> None:
         self.name = name
+        self.tracer = tracer
         self.step = step
         self.num_workers = num_workers
         self.metrics = metrics
@@ -122,6 +134,8 @@ class StageWorkers:
             job.leave()
             return
         started = time.perf_counter()
+        if self.tracer is not None:
+            self.tracer.span(f"{self.name} queue", "queue", job.request_id, job.enqueued_at, started)
         self.metrics.in_flight += 1
         try:
             with anyio.CancelScope() as scope:
@@ -136,8 +150,11 @@ class StageWorkers:
         finally:
             job._scope = None
             self.metrics.in_flight -= 1
-            elapsed = time.perf_counter() - started
+            ended = time.perf_counter()
+            elapsed = ended - started
             self.metrics.latency.observe(elapsed)
+            if self.tracer is not None:
+                self.tracer.span(self.name, "stage", job.request_id, started, ended, outcome=job.outcome or "ok")
             job.timings[self.name] = job.timings.get(self.name, 0.0) + elapsed
         if job.is_over:
             job.leave()
@@ -147,6 +164,7 @@ class StageWorkers:
             job.complete()
             job.leave()
         else:
+            job.enqueued_at = time.perf_counter()
             await self.next.send.send(job)  # waits while the next stage is full: backpressure
 
     async def aclose(self) -> None:

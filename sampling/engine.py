@@ -12,6 +12,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,6 +82,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.record_timeline = record_timeline
         self.timeline: list[StepTiming] = []
+        self.tracer: Any = None  # pipeline.trace.Tracer: one span per step on the engine track
 
     # -- requests ---------------------------------------------------------------------------
     def _new_seq(self, inp: EngineInput, index: int, num_siblings: int = 1) -> Sequence:
@@ -141,9 +143,22 @@ class LLMEngine:
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
             return [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
-        timing.total = time.perf_counter() - started
+        ended = time.perf_counter()
+        timing.total = ended - started
         if self.record_timeline:
             self.timeline.append(timing)
+        if self.tracer is not None:
+            self.tracer.span(
+                timing.kind,
+                "step",
+                None,
+                started,
+                ended,
+                batch=timing.batch,
+                forward_ms=timing.forward * 1e3,
+                fill_ms=timing.fill * 1e3,
+                sample_ms=timing.sample * 1e3,
+            )
         return outputs
 
     def _ensure_matcher(self, seq: Sequence) -> None:

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import json
 
+from pipeline.bench.common import write_traces
+
 __all__ = ["add_bench_arguments", "run_bench"]
 
 # scenario name -> module under pipeline.bench with add_arguments(parser) and run(args) -> dict
@@ -26,11 +28,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             module = importlib.import_module(f"pipeline.bench.{module_name}")
         except ModuleNotFoundError:
             continue
-        module.add_arguments(sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0]))
+        scenario = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(scenario)
+        scenario.add_argument("--trace", default=None, help="write stage spans as a Chrome trace-event JSON file")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"pipeline.bench.{SCENARIOS[args.scenario]}")
     figures = module.run(args)
+    write_traces()
     print(json.dumps(figures))
     return 0

@@ -12,7 +12,25 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["ImageServer", "machine", "median", "percentile", "print_table", "write_outputs"]
+from pipeline.trace import Tracer
+
+__all__ = ["ImageServer", "machine", "median", "percentile", "print_table", "tracer_for", "write_outputs"]
+
+_TRACERS: dict[str, Tracer] = {}
+
+
+def tracer_for(args: Any) -> Tracer | None:
+    """The run's tracer when ``--trace FILE`` was given (one per file, written when the run ends)."""
+    path = getattr(args, "trace", None)
+    if not path:
+        return None
+    return _TRACERS.setdefault(path, Tracer())
+
+
+def write_traces() -> None:
+    for path, tracer in _TRACERS.items():
+        tracer.write(path)
+        print(f"trace: {tracer.num_events} events written to {path} (open it in https://ui.perfetto.dev)")
 
 
 def percentile(values: Sequence[float], q: float) -> float:

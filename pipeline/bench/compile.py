@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, median, print_table, write_outputs
+from pipeline.bench.common import machine, median, print_table, tracer_for, write_outputs
 from pipeline.bench.health import _jpeg
 from pipeline.config import PipelineConfig
 from pipeline.pipeline import Pipeline
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def main() -> dict[str, list[float]]:
         ttft: dict[str, list[float]] = {"none": [], "new": [], "bounded": [], "hit_ms": []}
-        async with Pipeline(PipelineConfig()) as pipe:
+        async with Pipeline(PipelineConfig(), tracer=tracer_for(args)) as pipe:
             await (await pipe.submit(_body(data_url, schema(-1)))).result()  # warm-up
             for i in tqdm(range(args.repeats), desc="compile", file=sys.stderr):
                 for kind, grammar in (

@@ -49,8 +49,10 @@ def _jpeg(width: int = 1024, height: int = 768) -> bytes:
 class _Server:
     """``python -m pipeline serve`` in a child process."""
 
-    def __init__(self, inline: bool, burst: int) -> None:
+    def __init__(self, inline: bool, burst: int, trace: str | None = None) -> None:
         args = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--allow-private-networks"]
+        if trace:
+            args += ["--trace", trace]
         args += ["--max-pending", str(burst * 2), "--stage-queue-size", str(burst * 2)]
         if inline:
             args.append("--inline-preparation")
@@ -161,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bodies = _bodies(args.burst, jpeg, images.url)
         try:
             for mode in ("pipeline", "inline"):
-                server = _Server(inline=mode == "inline", burst=args.burst)
+                trace = args.trace if mode == "pipeline" else None
+                server = _Server(inline=mode == "inline", burst=args.burst, trace=trace)
                 try:
                     _measure(server.base, bodies[:4], args.probe_interval_ms / 1000)  # warm-up
                     progress.update()

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, print_table, write_outputs
+from pipeline.bench.common import machine, print_table, tracer_for, write_outputs
 from pipeline.bench.health import _jpeg
 from pipeline.config import PipelineConfig
 from pipeline.errors import Overloaded, PipelineError, RequestCancelled
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def main() -> None:
         config = PipelineConfig(max_pending_requests=args.capacity, stage_queue_size=args.capacity)
-        async with Pipeline(config) as pipe:
+        async with Pipeline(config, tracer=tracer_for(args)) as pipe:
             rss["start_mb"] = _rss_mb()
             handles: list[RequestHandle] = []
             for i in range(submitted):

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import ImageServer, machine, median, print_table, write_outputs
+from pipeline.bench.common import ImageServer, machine, median, print_table, tracer_for, write_outputs
 from pipeline.bench.health import _jpeg
 from pipeline.config import PipelineConfig
 from pipeline.pipeline import Pipeline
@@ -71,7 +71,7 @@ async def _one_run(pipe: Pipeline, kind: str, n: int, data_url: str, http_url: s
 
 async def _measure(config: PipelineConfig, args: argparse.Namespace, urls: tuple[str, str], progress: Any) -> dict:
     out: dict[str, dict[str, float]] = {}
-    async with Pipeline(config, with_engine=False) as pipe:
+    async with Pipeline(config, with_engine=False, tracer=tracer_for(args)) as pipe:
         await pipe.prepare(_body("base64", 0, *urls))  # warm-up
         for kind in KINDS:
             runs = []

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, median, percentile, print_table, write_outputs
+from pipeline.bench.common import machine, median, percentile, print_table, tracer_for, write_outputs
 from pipeline.bench.health import _jpeg
 from pipeline.config import PipelineConfig
 from pipeline.pipeline import Pipeline
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     async def main() -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"idle": [], "load": [], "idle_gaps": [], "load_gaps": []}
         config = PipelineConfig(max_pending_requests=1024, stage_queue_size=1024)
-        async with Pipeline(config) as pipe:
+        async with Pipeline(config, tracer=tracer_for(args)) as pipe:
             await pipe.prepare(
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}}]}]}
             )
