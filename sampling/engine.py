@@ -133,8 +133,9 @@ class LLMEngine:
     def step(self) -> list[SeqOutput]:
         """Run one scheduled step; the outputs of every sequence that produced a token."""
         scheduled = self.scheduler.schedule()
+        refused = self._fail_unfit()
         if scheduled is None:
-            return []
+            return refused
         timing = StepTiming("prefill" if isinstance(scheduled, PrefillStep) else "decode", 0)
         started = time.perf_counter()
         try:
@@ -142,11 +143,12 @@ class LLMEngine:
             outputs = self._postprocess(seqs, tokens, timing) if seqs else []
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
-            return [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
+            return refused + [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
         ended = time.perf_counter()
         timing.total = ended - started
         if self.record_timeline:
             self.timeline.append(timing)
+        outputs = refused + outputs
         if self.tracer is not None:
             self.tracer.span(
                 timing.kind,
@@ -160,6 +162,12 @@ class LLMEngine:
                 sample_ms=timing.sample * 1e3,
             )
         return outputs
+
+    def _fail_unfit(self) -> list[SeqOutput]:
+        unfit, self.scheduler.unfit = self.scheduler.unfit, []
+        total = self.scheduler.allocator.num_blocks * self.runner.block_size
+        message = f"the sequence needs more KV cache than the whole cache holds ({total} tokens)"
+        return [out for seq in unfit for out in self._fail(seq, message)]
 
     def _ensure_matcher(self, seq: Sequence) -> None:
         if seq.grammar is not None and seq.matcher is None:
@@ -277,7 +285,7 @@ class LLMEngine:
         reason = None
         if is_eos or (seq.matcher is not None and seq.matcher.is_terminated()) or stop.hit:
             reason = "stop"
-        elif len(seq.output_ids) >= seq.params.max_tokens:
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.runner.max_model_len:
             reason = "length"
         if reason is not None:
             text += stop.flush(seq.detokenizer.flush())

@@ -31,6 +31,7 @@ class ModelRunner:
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.cfg = LMConfig.from_hf(checkpoint.text_config)
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.image_token_id = checkpoint.image_token_id
         self.model = MistralLM(self.cfg, max_model_len)
         self._load(checkpoint)

@@ -41,6 +41,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.unfit: list[Sequence] = []  # can never fit in the cache: the engine fails them
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
@@ -78,6 +79,9 @@ class Scheduler:
         seq = self.waiting[0]
         # the whole prompt plus one decode token, for the sequence and each child it will fork into
         need = blocks_needed(seq.num_tokens + 1, self.block_size) * seq.num_siblings
+        if need > self.allocator.num_blocks:  # waiting would never help
+            self.unfit.append(self.waiting.popleft())
+            return self._admit()
         if need > self.allocator.num_free:
             return None
         self.waiting.popleft()
@@ -108,8 +112,11 @@ class Scheduler:
                 continue  # preempted to make room for an older one
             while self._blocks_for(seq, seq.num_tokens) > self.allocator.num_free:
                 victim = self.running[-1]
-                if victim is seq and len(decoding) == 1:
-                    raise MemoryError("KV cache too small for a single sequence")
+                if victim is seq and len(self.running) == 1:  # alone and still out of room
+                    self.release(seq)
+                    self.unfit.append(seq)
+                    decoding.remove(seq)
+                    break
                 self._preempt(victim)
                 if victim in decoding:
                     decoding.remove(victim)
