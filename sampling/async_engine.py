@@ -107,6 +107,12 @@ class AsyncEngine:
         except queue.Full:  # an abort frees capacity, so it must not be lost: hand it to a thread
             threading.Thread(target=self._commands.put, args=(("abort", request_id),), daemon=True).start()
 
+    async def barrier(self) -> None:
+        """Return once the engine thread has handled every command queued before this call."""
+        done = anyio.Event()
+        await anyio.to_thread.run_sync(self._commands.put, ("barrier", done))
+        await done.wait()
+
     @property
     def num_running(self) -> int:
         return len(self._streams)
@@ -122,6 +128,9 @@ class AsyncEngine:
             self.engine.add(arg)
         elif kind == "abort":
             self.engine.abort(arg)
+        elif kind == "barrier":
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(arg.set)
         return True
 
     def _run(self) -> None:

@@ -60,6 +60,12 @@ def find_unsupported(schema: Any, path: str = "") -> list[str]:
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt in IGNORED_FORMATS:
         found.append(f"{path}/format ({fmt})")
+    required, declared = schema.get("required"), schema.get("properties") or {}
+    closed = schema.get("additionalProperties", False) is False and "patternProperties" not in schema
+    if isinstance(required, list) and isinstance(declared, dict) and closed:
+        # strict mode closes objects, so an undeclared required property can never be written and
+        # xgrammar drops the requirement instead of failing
+        found += [f"{path}/required ({name} is not in properties)" for name in required if name not in declared]
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"{path}/$ref (remote: {ref[:60]})")  # never fetched: xgrammar treats it as any value

@@ -182,7 +182,7 @@ def test_schema_corpus_compiles_or_is_refused_with_400(schema_corpus: list[Corpu
         f"valid instances accepted {accepted}, rejected {rejected}"
     )
     assert len(schema_corpus) == 220
-    assert compiled >= 180
+    assert compiled >= 170
     # a valid instance the grammar rejects is over-restriction (key order, strict mode's closed
     # objects, number formatting); it never makes an output invalid, but it should stay the exception
     assert accepted > rejected

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.errors import InvalidRequest, PromptTooLong
+from pipeline.request import parse_chat_request
+from stages.template import TemplateStage
+from vision.preprocess import ImageTokenIds, PreparedImage
+
+
+def image(rows: int, cols: int) -> PreparedImage:
+    return PreparedImage(torch.zeros(3, rows * 16, cols * 16), rows, cols)
+
+
+@pytest.fixture
+def stage(hf_tokenizer: Any) -> TemplateStage:
+    return TemplateStage(hf_tokenizer, ImageTokenIds.from_tokenizer(hf_tokenizer, 10), max_prompt_tokens=200, threads=1)
+
+
+IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+async def test_multi_turn_with_system_and_two_images(stage: TemplateStage, hf_tokenizer: Any) -> None:
+    request = parse_chat_request(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "first"}, IMG]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [IMG, {"type": "text", "text": "second"}]},
+            ]
+        }
+    )
+    ids = await stage.run(request.messages, [image(2, 3), image(1, 2)])
+    text = hf_tokenizer.decode(ids)
+    assert text.startswith("<s>") and "Be brief." in text and text.index("first") < text.index("second")
+    assert ids.count(10) == 2 * 3 + 1 * 2
+    # layout: rows of [IMG] closed by [IMG_BREAK], the last row of an image closed by [IMG_END]
+    assert ids.count(12) == 1 + 0 and ids.count(13) == 2
+    first = ids.index(10)
+    assert ids[first : first + 8] == [10, 10, 10, 12, 10, 10, 10, 13]
+
+
+async def test_prompt_length_cap(stage: TemplateStage) -> None:
+    request = parse_chat_request({"messages": [{"role": "user", "content": "word " * 300}]})
+    with pytest.raises(PromptTooLong) as info:
+        await stage.run(request.messages, [])
+    assert info.value.status == 400 and "200" in info.value.message
+
+
+async def test_placeholder_count_must_match(stage: TemplateStage) -> None:
+    request = parse_chat_request({"messages": [{"role": "user", "content": "sneaky [IMG] text"}]})
+    with pytest.raises(InvalidRequest) as info:
+        await stage.run(request.messages, [])
+    assert info.value.field == "messages"
+    assert stage.limiter.borrowed_tokens == 0
