@@ -89,16 +89,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(batch)
             ]
             _run_once(engine, prompts, grammar, 4, "warm")
-            plain_runs, guided_runs, guided_steps = [], [], []
+            plain_runs, guided_runs, guided_steps, plain_steps = [], [], [], []
             for r in range(args.repeats):
                 plain = _run_once(engine, prompts, None, args.steps, f"p{batch}-{r}")
                 guided = _run_once(engine, prompts, grammar, args.steps, f"g{batch}-{r}")
                 plain_runs.append(median([t.total for t in plain]))
                 guided_runs.append(median([t.total for t in guided]) if guided else float("nan"))
                 guided_steps += guided
+                plain_steps += plain
                 progress.update(2)
             tp, tg = median(plain_runs), median(guided_runs)
-            timelines[batch] = {p: statistics.fmean(getattr(t, p) for t in guided_steps) * 1000 for p in PARTS}
+            timelines[f"{batch} guided"] = {
+                p: statistics.fmean(getattr(t, p) for t in guided_steps) * 1000 for p in PARTS
+            }
+            timelines[f"{batch} plain"] = {
+                p: statistics.fmean(getattr(t, p) for t in plain_steps) * 1000 for p in PARTS
+            }
             results.append(
                 {
                     "batch": batch,
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ["batch", "TPOT plain ms", "TPOT guided ms", "ratio", "full-batch steps"],
         [[r["batch"], r["tpot_ms_plain"], r["tpot_ms_guided"], r["ratio"], r["full_batch_steps"]] for r in results],
     )
-    print("\nguided step timeline (mean ms; fill runs while the forward pass runs, wait = forward left after it)")
+    print("\nstep timeline (mean ms; fill runs while the forward pass runs, wait = forward left after it)")
     print_table(["batch", *PARTS], [[b, *(t[p] for p in PARTS)] for b, t in timelines.items()])
     figures = {"scenario": "guided", "results": results}
 
