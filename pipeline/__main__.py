@@ -86,6 +86,8 @@ async def serve(args: argparse.Namespace) -> None:
         inline_preparation=args.inline_preparation,
         max_pending_requests=args.max_pending,
         stage_queue_size=args.stage_queue_size,
+        decode_threads=args.decode_threads,
+        template_threads=args.template_threads,
     )
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
     tracer = Tracer() if args.trace else None
@@ -113,6 +115,14 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"trace: {tracer.num_events} events written to {args.trace}", flush=True)
 
 
+def _default(name: str) -> object:
+    import dataclasses
+
+    from pipeline.config import PipelineConfig
+
+    return next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allow-private-networks", action="store_true")
     s.add_argument("--max-pending", type=int, default=256, help="requests admitted at once before 429")
     s.add_argument("--stage-queue-size", type=int, default=16)
+    s.add_argument("--decode-threads", type=int, default=_default("decode_threads"))
+    s.add_argument("--template-threads", type=int, default=_default("template_threads"))
     s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
     s.add_argument("--shutdown-timeout", type=float, default=30.0)
     s.add_argument("--trace", default=None, help="write every request's stage spans (Chrome trace JSON) at exit")
-    b = sub.add_parser("bench", help="benchmarks (see DESIGN.md)")
+    b = sub.add_parser("bench", help="benchmarks: python -m pipeline bench SCENARIO --help")
     from pipeline.bench import add_bench_arguments, run_bench
 
     add_bench_arguments(b)

@@ -42,7 +42,9 @@ def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
     patch = processor.patch_size
     patch_h = patch["height"] if isinstance(patch, dict) else patch
     patch_w = patch["width"] if isinstance(patch, dict) else patch
-    out = processor(images=[image], return_tensors="pt")
+    # one image needs no padding to a batch shape (padding showed up as ~10% of a burst's CPU)
+    extra = {"do_pad": False} if hasattr(processor, "do_pad") else {}
+    out = processor(images=[image], return_tensors="pt", **extra)
     height, width = (int(v) for v in out["image_sizes"][0])
     pixels = out["pixel_values"][0][:, :height, :width].contiguous()
     return PreparedImage(pixel_values=pixels, num_rows=height // patch_h, num_cols=width // patch_w)

@@ -24,6 +24,9 @@ from pipeline.bench.common import ImageServer, machine, median, percentile, prin
 
 __all__ = ["add_arguments", "run"]
 
+# the pipeline as configured; the same with a thread per request (unbounded pool); all on the loop
+MODES = ("pipeline", "unbounded", "inline")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", type=int, default=128, help="concurrent image requests per run")
@@ -49,13 +52,15 @@ def _jpeg(width: int = 1024, height: int = 768) -> bytes:
 class _Server:
     """``python -m pipeline serve`` in a child process."""
 
-    def __init__(self, inline: bool, burst: int, trace: str | None = None) -> None:
+    def __init__(self, mode: str, burst: int, trace: str | None = None) -> None:
         args = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--allow-private-networks"]
         if trace:
             args += ["--trace", trace]
         args += ["--max-pending", str(burst * 2), "--stage-queue-size", str(burst * 2)]
-        if inline:
+        if mode == "inline":
             args.append("--inline-preparation")
+        elif mode == "unbounded":  # a thread per request in flight, as an unbounded pool would give
+            args += ["--decode-threads", str(burst), "--template-threads", str(burst)]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -156,15 +161,15 @@ class _ImagesThread:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     jpeg = _jpeg()
-    results: dict[str, list[dict[str, float]]] = {"pipeline": [], "inline": []}
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
 
     images = _ImagesThread(jpeg)
-    with tqdm(total=2 * (args.repeats + 1), desc="health", file=sys.stderr) as progress:
+    with tqdm(total=len(MODES) * (args.repeats + 1), desc="health", file=sys.stderr) as progress:
         bodies = _bodies(args.burst, jpeg, images.url)
         try:
-            for mode in ("pipeline", "inline"):
+            for mode in MODES:
                 trace = args.trace if mode == "pipeline" else None
-                server = _Server(inline=mode == "inline", burst=args.burst, trace=trace)
+                server = _Server(mode, burst=args.burst, trace=trace)
                 try:
                     _measure(server.base, bodies[:4], args.probe_interval_ms / 1000)  # warm-up
                     progress.update()
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs = results[mode]
         return {k: median([r[k] for r in runs]) for k in ("p50_ms", "p99_ms", "max_ms", "req_per_s", "ok")}
 
-    ours, base = summary("pipeline"), summary("inline")
+    ours, base, pool = summary("pipeline"), summary("inline"), summary("unbounded")
     print(
         f"\nhealth: burst of {args.burst} image requests (1024x768 JPEG, half base64, half http), "
         f"median of {args.repeats} runs, {machine()}"
@@ -189,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ["server", "p50 ms", "p99 ms", "max ms", "req/s", "ok"],
         [
             [m, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])]
-            for m, s in (("pipeline", ours), ("inline baseline", base))
+            for m, s in (("pipeline", ours), ("unbounded threads", pool), ("inline baseline", base))
         ],
     )
     figures = {
@@ -203,12 +208,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_p99_ms": round(base["p99_ms"], 3),
         "baseline_max_ms": round(base["max_ms"], 3),
         "baseline_req_per_s": round(base["req_per_s"], 2),
+        "unbounded_p99_ms": round(pool["p99_ms"], 3),
+        "unbounded_max_ms": round(pool["max_ms"], 3),
+        "unbounded_req_per_s": round(pool["req_per_s"], 2),
         "repeats": args.repeats,
         "machine": machine(),
     }
 
     def plot(ax: Any) -> None:
-        for mode, style in (("pipeline", "-"), ("inline", ":")):
+        for mode, style in (("pipeline", "-"), ("unbounded", "--"), ("inline", ":")):
             samples: list[tuple[float, float]] = results[mode][-1]["samples"]  # type: ignore[assignment]
             t0 = samples[0][0]
             ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)
