@@ -17,6 +17,7 @@ from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
 from tests.images import data_url, encode, make_image
+from tests.servers import serving
 
 SCHEMA = {
     "type": "object",
@@ -35,15 +36,6 @@ class Served:
     image_url: str
 
 
-async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
-
-
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
     images = web.Application()
@@ -52,17 +44,17 @@ async def served() -> AsyncIterator[Served]:
         return web.Response(body=PNG, content_type="image/png")
 
     images.router.add_get("/cat.png", image)
-    image_runner, image_base = await _start(images)
     config = PipelineConfig(allow_private_networks=True, max_running_seqs=8, num_kv_blocks=512, max_model_len=4096)
-    async with Pipeline(config) as pipe:
-        runner, base = await _start(create_app(pipe))
+    async with (
+        serving(images) as image_base,
+        Pipeline(config) as pipe,
+        serving(create_app(pipe), handler_cancellation=True) as base,
+    ):
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         try:
             yield Served(pipe, client, base, f"{image_base}/cat.png")
         finally:
             await client.close()
-            await runner.cleanup()
-            await image_runner.cleanup()
 
 
 def user(*parts: dict[str, object] | str) -> list[dict[str, object]]:

@@ -11,12 +11,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
 from tests.images import encode, make_image
+from tests.servers import serving
 
 URL = "messages[0].content[1].image_url.url"
 
@@ -153,16 +153,8 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def served() -> AsyncIterator[tuple[str, Pipeline]]:
     config = PipelineConfig(max_prompt_tokens=1024, max_running_seqs=4, num_kv_blocks=256, max_model_len=2048)
-    async with Pipeline(config) as pipe:
-        runner = web.AppRunner(create_app(pipe))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        try:
-            yield f"http://{host}:{port}", pipe
-        finally:
-            await runner.cleanup()
+    async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
+        yield base, pipe
 
 
 def test_the_corpus_is_large_enough() -> None:

@@ -22,6 +22,7 @@ from pipeline.errors import (
 )
 from pipeline.pipeline import Pipeline
 from tests.images import encode, image_request, make_image
+from tests.servers import serving
 
 PNG = encode(make_image(32, 32, seed=3))
 
@@ -63,16 +64,11 @@ async def faulty_images() -> AsyncIterator[Faulty]:
     app = web.Application()
     for name, handler in (("good", good), ("hang", hang), ("reset", reset), ("html", html), ("endless", endless)):
         app.router.add_get(f"/{name}.png", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield Faulty(f"http://{host}:{port}", release)
-    finally:
-        release.set()
-        await runner.cleanup()
+    async with serving(app, shutdown_timeout=0.1) as base:
+        try:
+            yield Faulty(base, release)
+        finally:
+            release.set()  # let the hanging handlers return before the server stops
 
 
 @pytest.fixture

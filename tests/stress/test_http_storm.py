@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import anyio
 import pytest
-from aiohttp import web
 
 from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
+from tests.servers import serving
 
 
 @pytest.fixture
@@ -22,16 +22,8 @@ async def served() -> AsyncIterator[tuple[str, Pipeline]]:
     config = PipelineConfig(
         max_pending_requests=16, stage_queue_size=16, max_running_seqs=8, num_kv_blocks=512, max_model_len=2048
     )
-    async with Pipeline(config) as pipe:
-        runner = web.AppRunner(create_app(pipe), handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        try:
-            yield f"http://{host}:{port}", pipe
-        finally:
-            await runner.cleanup()
+    async with Pipeline(config) as pipe, serving(create_app(pipe), handler_cancellation=True) as base:
+        yield base, pipe
 
 
 async def _assert_nothing_left(pipe: Pipeline) -> None:
