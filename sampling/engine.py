@@ -236,8 +236,8 @@ class LLMEngine:
     def _timed(self, timing: StepTiming, fn, *args):  # type: ignore[no-untyped-def]
         started = time.perf_counter()
         out = fn(*args)
-        if out.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # timing only; the default path never waits here
+        if self.record_timeline and out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # only when timing: serving never waits here
         timing.forward = time.perf_counter() - started
         return out
 
