@@ -56,6 +56,7 @@ class PipelineConfig:
     # -- vision encode --
     vision_max_batch: int = 8
     vision_batch_wait_ms: float = 2.0
+    vision_encode_threads: int = 2  # batches encoded at once
 
     # -- grammar --
     grammar_cache_size: int = 512
@@ -86,6 +87,7 @@ class PipelineConfig:
             "max_prompt_tokens": self.max_prompt_tokens,
             "template_threads": self.template_threads,
             "vision_max_batch": self.vision_max_batch,
+            "vision_encode_threads": self.vision_encode_threads,
             "grammar_cache_size": self.grammar_cache_size,
             "grammar_max_concurrent_compiles": self.grammar_max_concurrent_compiles,
             "max_running_seqs": self.max_running_seqs,

@@ -84,6 +84,7 @@ class Preparation:
                 max_batch=cfg.vision_max_batch,
                 wait_ms=cfg.vision_batch_wait_ms,
                 queue_size=cfg.stage_queue_size * cfg.max_images_per_request,
+                threads=cfg.vision_encode_threads,
                 inline=cfg.inline_preparation,
             )
             if encoder is not None

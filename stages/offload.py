@@ -46,6 +46,12 @@ class Offload:
                 self.cpu_seconds += spent
                 self.calls += 1
 
+    async def run_holding_token(self, fn: Callable[..., T], *args: object) -> T:
+        """Like ``run``, for a caller that already holds a token of ``limiter`` on the work's behalf."""
+        if self.inline:
+            return self._timed(fn, *args)
+        return await anyio.to_thread.run_sync(self._timed, fn, *args)
+
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in a worker thread. A cancelled caller still waits for the thread: the
         limiter token is held until it returns, so cancelled work never piles up in the executor."""

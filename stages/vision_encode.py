@@ -34,12 +34,19 @@ class VisionEncodeStage:
     name = "vision"
 
     def __init__(
-        self, encoder: VisionEncoder, *, max_batch: int, wait_ms: float, queue_size: int, inline: bool = False
+        self,
+        encoder: VisionEncoder,
+        *,
+        max_batch: int,
+        wait_ms: float,
+        queue_size: int,
+        threads: int = 1,
+        inline: bool = False,
     ) -> None:
         self.encoder = encoder
         self.max_batch = max_batch
         self.wait_s = wait_ms / 1000.0
-        self.offload = Offload(anyio.CapacityLimiter(1), inline=inline)
+        self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
         self._send: MemoryObjectSendStream[_Pending]
         self._receive: MemoryObjectReceiveStream[_Pending]
@@ -51,25 +58,44 @@ class VisionEncodeStage:
         return self._send.statistics().current_buffer_used
 
     async def run_batcher(self) -> None:
-        """Serve batches until the stream is closed; run it in the pipeline's task group."""
-        async with self._receive:
+        """Serve batches until the stream is closed; run it in the pipeline's task group.
+
+        After the first image arrives, the batch is gathered only once an encoder thread is free (the
+        limiter is taken on the batch's behalf), so images keep queueing, and batching, while every
+        thread is busy.
+        """
+        async with self._receive, anyio.create_task_group() as encoders:
             while True:
                 try:
                     first = await self._receive.receive()
                 except anyio.EndOfStream:
                     return
-                batch = [first]
-                with anyio.move_on_after(self.wait_s):
-                    while len(batch) < self.max_batch:
-                        batch.append(await self._receive.receive())
-                while len(batch) < self.max_batch:  # take what is already queued, without waiting
-                    try:
-                        batch.append(self._receive.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                await self._encode([p for p in batch if not p.abandoned])
-                for p in batch:
-                    p.done.set()
+                slot = object()
+                await self.limiter.acquire_on_behalf_of(slot)
+                encoders.start_soon(self._encode_batch, await self._gather(first), slot)
+
+    async def _gather(self, first: _Pending) -> list[_Pending]:
+        batch = [first]
+        with anyio.move_on_after(self.wait_s):
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(await self._receive.receive())
+                except anyio.EndOfStream:  # closing: encode what we have
+                    break
+        while len(batch) < self.max_batch:  # take what is already queued, without waiting
+            try:
+                batch.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        return batch
+
+    async def _encode_batch(self, batch: list[_Pending], slot: object) -> None:
+        try:
+            await self._encode([p for p in batch if not p.abandoned])
+        finally:
+            self.limiter.release_on_behalf_of(slot)
+            for p in batch:
+                p.done.set()
 
     def _encode_each(self, images: list[PreparedImage]) -> list[torch.Tensor | Exception]:
         """One worker-thread call for the batch; an image that fails fails only its own request."""
@@ -86,7 +112,8 @@ class VisionEncodeStage:
             return
         self.batch_sizes.append(len(batch))
         with anyio.CancelScope(shield=True):  # the thread finishes anyway; wait for it
-            results = await self.offload.run(self._encode_each, [p.image for p in batch])
+            # the batcher holds this batch's limiter token, so the thread call goes around the limiter
+            results = await self.offload.run_holding_token(self._encode_each, [p.image for p in batch])
         for p, result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
                 p.error = result
