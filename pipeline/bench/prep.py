@@ -30,6 +30,7 @@ KINDS = ("text", "base64", "http")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per kind and run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vision-threads", type=int, default=None, help="vision_encode_threads (default: config)")
     parser.add_argument("--out", default=None)
 
 
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jpeg = _jpeg()
     data_url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
     base = PipelineConfig(allow_private_networks=True, max_pending_requests=4096, stage_queue_size=4096)
+    if args.vision_threads is not None:
+        base = replace(base, vision_encode_threads=args.vision_threads)
     unlimited = replace(base, decode_threads=64, template_threads=64, fetch_concurrency=1024)
 
     async def main() -> dict[str, Any]:
@@ -97,7 +100,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"bounded": bounded, "unlimited": free}
 
     result = anyio.run(main)
-    print(f"\nprep: {args.requests} concurrent requests per kind, median of {args.repeats} runs, {machine()}")
+    print(
+        f"\nprep: {args.requests} concurrent requests per kind, median of {args.repeats} runs, "
+        f"vision_encode_threads={base.vision_encode_threads}, {machine()}"
+    )
     headers = ["kind", "limits", "req/s", "CPU ms/req", "decode", "template", "vision", "loop+other", "efficiency"]
     rows = []
     for kind in KINDS:
@@ -118,7 +124,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
     print_table(headers, rows)
     print("(stage columns: thread CPU ms per request; torch's own worker threads count under loop+other)")
-    figures: dict[str, Any] = {"scenario": "prep", "machine": machine(), "requests": args.requests}
+    figures: dict[str, Any] = {
+        "scenario": "prep",
+        "machine": machine(),
+        "requests": args.requests,
+        "vision_encode_threads": base.vision_encode_threads,
+    }
     for kind in KINDS:
         b, u = result["bounded"][kind], result["unlimited"][kind]
         figures[kind] = {
