@@ -1,1 +1,5 @@
-"""stages"""
+"""The request-preparation stages, one module each: fetch, decode, template, vision_encode, grammar.
+
+A stage is a small object with its own limits and a ``run``/``compile`` coroutine; it knows nothing
+about streams or other stages (``pipeline/staged.py`` wires them).
+"""

@@ -1,1 +1,3 @@
-"""vision"""
+"""Synchronous torch/PIL code: checkpoint reading, the embedded default model, image decoding and
+preprocessing, and the vision encoder. Nothing here imports asyncio.
+"""
