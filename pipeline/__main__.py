@@ -90,6 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
         template_threads=args.template_threads,
     )
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
         runner = web.AppRunner(create_app(pipe), handler_cancellation=True, access_log=None)
@@ -140,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
     s.add_argument("--shutdown-timeout", type=float, default=30.0)
+    s.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="interpreter GIL switch interval (default 5 ms): how long the loop may wait for a busy worker thread",
+    )
     s.add_argument("--trace", default=None, help="write every request's stage spans (Chrome trace JSON) at exit")
     b = sub.add_parser("bench", help="benchmarks: python -m pipeline bench SCENARIO --help")
     from pipeline.bench import add_bench_arguments, run_bench

@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--probe-interval-ms", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="folder for the JSON figures and a PNG plot")
+    parser.add_argument("--switch-interval-ms", type=float, default=None, help="passed to every server")
 
 
 def _jpeg(width: int = 1024, height: int = 768) -> bytes:
@@ -52,10 +53,11 @@ def _jpeg(width: int = 1024, height: int = 768) -> bytes:
 class _Server:
     """``python -m pipeline serve`` in a child process."""
 
-    def __init__(self, mode: str, burst: int, trace: str | None = None) -> None:
+    def __init__(self, mode: str, burst: int, trace: str | None = None, extra: tuple[str, ...] = ()) -> None:
         args = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--allow-private-networks"]
         if trace:
             args += ["--trace", trace]
+        args += list(extra)
         args += ["--max-pending", str(burst * 2), "--stage-queue-size", str(burst * 2)]
         if mode == "inline":
             args.append("--inline-preparation")
@@ -169,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for mode in MODES:
                 trace = args.trace if mode == "pipeline" else None
-                server = _Server(mode, burst=args.burst, trace=trace)
+                extra = ("--switch-interval-ms", str(args.switch_interval_ms)) if args.switch_interval_ms else ()
+                server = _Server(mode, burst=args.burst, trace=trace, extra=extra)
                 try:
                     _measure(server.base, bodies[:4], args.probe_interval_ms / 1000)  # warm-up
                     progress.update()
