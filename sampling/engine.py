@@ -81,6 +81,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.record_timeline = record_timeline
+        self.lazy_mask = True  # skip the mask for greedy rows whose choice the grammar allows (exact)
         self.timeline: list[StepTiming] = []
         self.tracer: Any = None  # pipeline.trace.Tracer: one span per step on the engine track
 
@@ -245,13 +246,22 @@ class LLMEngine:
         self, seqs: list[Sequence], logits: torch.Tensor, guided_rows: list[int], timing: StepTiming
     ) -> list[int]:
         t0 = time.perf_counter()
-        if guided_rows:
-            self.guided.apply(logits, guided_rows)
         for row, s in enumerate(seqs):
             if s.params.ignore_eos and s.matcher is None:
                 logits[row, self.eos_token_ids] = float("-inf")
+        greedy = None
+        if guided_rows and self.lazy_mask and logits.device.type == "cpu":
+            # A greedy row whose unmasked argmax is a token the grammar allows has the same argmax
+            # masked: only the other rows need the (full-vocabulary) mask.
+            greedy = logits.max(-1).indices
+            top = greedy.tolist()
+            guided_rows = [r for r in guided_rows if not (seqs[r].params.is_greedy and self.guided.allows(r, top[r]))]
+        if guided_rows:
+            self.guided.apply(logits, guided_rows)
+            if greedy is not None:
+                greedy[guided_rows] = logits[guided_rows].max(-1).indices
         t1 = time.perf_counter()
-        ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy=greedy)
         t2 = time.perf_counter()
         tokens = self.copier.start(ids)()
         t3 = time.perf_counter()

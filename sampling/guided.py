@@ -33,7 +33,7 @@ def new_matcher(grammar: Any, replay: list[int] = ()) -> xgr.GrammarMatcher:  # 
 class GuidedDecoder:
     """Owns the host bitmask (pinned on CUDA) and its device copy."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, *, max_threads: int = 2) -> None:
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, *, max_threads: int = 1) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.host_bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
@@ -64,6 +64,10 @@ class GuidedDecoder:
         )
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows[:half])
         other.result()
+
+    def allows(self, row: int, token: int) -> bool:
+        """Whether the filled bitmask row ``row`` allows ``token`` (one bit test on the host)."""
+        return bool((int(self.host_bitmask[row, token >> 5]) >> (token & 31)) & 1)
 
     @staticmethod
     def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:

@@ -195,3 +195,17 @@ def test_a_prompt_that_can_never_fit_fails_cleanly(
     assert outputs[("huge", 0)].finish_reason == "error"
     assert "KV cache" in (outputs[("huge", 0)].error or "")
     assert outputs[("small", 0)].finish_reason == "length"
+
+
+def test_lazy_mask_gives_exactly_the_masked_outputs(
+    runner: ModelRunner, token_bytes: TokenBytes, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar
+) -> None:
+    def run(lazy: bool) -> dict[str, list[int]]:
+        engine = LLMEngine(runner, token_bytes, eos_token_ids=[2], num_blocks=NUM_BLOCKS, max_running=8)
+        engine.lazy_mask = lazy
+        for i in range(4):
+            add(engine, f"greedy{i}", prompt(hf_tokenizer, f"lazy {i}"), json_grammar, max_tokens=48, temperature=0.0)
+        add(engine, "sampled", prompt(hf_tokenizer, "s"), json_grammar, max_tokens=48, temperature=0.9, seed=3)
+        return {k[0]: o.token_ids for k, o in run_all(engine).items()}
+
+    assert run(lazy=True) == run(lazy=False)
