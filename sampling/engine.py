@@ -1,15 +1,21 @@
 """LLMEngine: continuous batching with xgrammar-guided sampling; ``step()`` reads as three verbs.
 
-``step()`` = ``schedule()``, ``run()`` and ``postprocess()``. In ``run()`` the forward pass is
-launched on the forward thread (on CUDA: kernels queued on the device) and, while it runs, the host
-fills the grammar bitmask for the same step; then the mask is applied to the guided rows, tokens are
-sampled, copied back and accepted by the matchers in one batched call.
+``step()`` = ``schedule()``, ``run()`` and ``postprocess()``. In ``run()`` the fill thread fills the
+grammar bitmask for the step while the calling thread runs the forward pass (on CUDA: queues its
+kernels); then the mask is applied to the guided rows, tokens are sampled, copied back and accepted
+by the matchers in one batched call.
+
+Every torch op of a step runs on the calling thread, the fill thread runs only xgrammar: torch's
+OpenMP pool belongs to the thread that calls it, and a forward on one thread beside sampling on
+another gives two pools that spin against each other (on 2 cores: decode steps 30% slower).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +28,7 @@ from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import BlockAllocator
 from sampling.model_runner import ModelRunner
 from sampling.overlap import HostCopier
-from sampling.sampler import sample
+from sampling.sampler import greedy_ids, sample
 from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
 from sampling.sequence import SeqState, Sequence
 from sampling.stop import StopChecker
@@ -36,9 +42,9 @@ class StepTiming:
 
     kind: str
     batch: int
-    forward: float = 0.0  # on the forward thread
-    fill: float = 0.0  # host, concurrent with forward
-    wait: float = 0.0  # host waiting for the forward after its fill
+    forward: float = 0.0
+    fill: float = 0.0  # on the fill thread, concurrent with forward
+    wait: float = 0.0  # waiting for the fill after the forward (the part of the fill not hidden)
     apply: float = 0.0
     sample: float = 0.0
     copy: float = 0.0
@@ -77,7 +83,7 @@ class LLMEngine:
         )
         self.guided = GuidedDecoder(runner.cfg.vocab_size, max_running * 2, runner.device)
         self.copier = HostCopier(runner.device, max_running * 2)
-        self._forward = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.record_timeline = record_timeline
@@ -140,8 +146,8 @@ class LLMEngine:
         timing = StepTiming("prefill" if isinstance(scheduled, PrefillStep) else "decode", 0)
         started = time.perf_counter()
         try:
-            seqs, tokens = self._run(scheduled, timing)
-            outputs = self._postprocess(seqs, tokens, timing) if seqs else []
+            seqs, tokens, accepted = self._run(scheduled, timing)
+            outputs = self._postprocess(seqs, tokens, accepted, timing) if seqs else []
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
             return refused + [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
@@ -174,51 +180,64 @@ class LLMEngine:
         if seq.grammar is not None and seq.matcher is None:
             seq.matcher = new_matcher(seq.grammar, seq.output_ids)
 
-    def _run(self, step: PrefillStep | DecodeStep, timing: StepTiming) -> tuple[list[Sequence], list[int]]:
+    def _run(self, step: PrefillStep | DecodeStep, timing: StepTiming) -> tuple[list[Sequence], list[int], set[int]]:
+        """The step's sequences, their sampled tokens and the rows whose matchers already accepted them."""
         runner = self.runner
         if isinstance(step, PrefillStep):
             seq = step.seq
             chunk = seq.tokens(step.start, step.end)
             image_rows = seq.image_rows(step.start, step.end, runner.image_token_id)
-            launch = self._forward.submit(
-                self._timed, timing, runner.prefill, chunk, step.start, seq.block_table, image_rows
-            )
+            forward = functools.partial(runner.prefill, chunk, step.start, seq.block_table, image_rows)
             if not step.is_last_chunk:
-                launch.result()
+                self._timed(timing, forward)
                 seq.num_computed = step.end
-                return [], []
+                return [], [], set()
             seqs = [seq]
         else:
             seqs = step.seqs
-            launch = self._forward.submit(
-                self._timed,
-                timing,
+            forward = functools.partial(
                 runner.decode,
                 [s.token_at(s.num_tokens - 1) for s in seqs],
                 [s.num_tokens - 1 for s in seqs],
                 [s.block_table for s in seqs],
             )
-        # while the forward pass runs: build missing matchers and fill this step's bitmask
-        fill_started = time.perf_counter()
-        for s in seqs:
-            self._ensure_matcher(s)
-        guided_rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if guided_rows:
-            self.guided.fill([seqs[i].matcher for i in guided_rows], guided_rows)
-        timing.fill = time.perf_counter() - fill_started
-        logits = launch.result()
-        timing.wait = time.perf_counter() - fill_started - timing.fill
+        # On the CPU the fill competes with the forward for the cores: greedy rows of a decode step try
+        # their argmax on the matcher first and fill only if it is refused (see _sample).
+        defer_greedy = self.lazy_mask and runner.device.type == "cpu" and isinstance(step, DecodeStep)
+        guided = any(s.grammar is not None for s in seqs)
+        fill = self._filler.submit(self._fill, seqs, defer_greedy, timing) if guided else None
+        try:
+            logits = self._timed(timing, forward)
+        except BaseException:
+            if fill is not None:
+                futures.wait([fill])  # the fill thread must be done with these matchers before they are failed
+            raise
+        waited = time.perf_counter()
+        filled = fill.result() if fill is not None else []
+        timing.wait = time.perf_counter() - waited
         if isinstance(step, PrefillStep):
             step.seq.num_computed = step.end
             if step.seq.num_siblings > 1 and not step.seq.has_forked:
                 seqs = self._fork(step.seq)
-                guided_rows = list(range(len(seqs))) if guided_rows else []
+                filled = list(range(len(seqs))) if filled else []
                 logits = logits.expand(len(seqs), -1).contiguous()
         else:
             for s in seqs:
                 s.num_computed = s.num_tokens
         timing.batch = len(seqs)
-        return seqs, self._sample(seqs, logits, guided_rows, timing)
+        return seqs, *self._sample(seqs, logits, filled, timing)
+
+    def _fill(self, seqs: list[Sequence], defer_greedy: bool, timing: StepTiming) -> list[int]:
+        """On the fill thread: build missing matchers and fill the step's bitmask rows (but those of
+        greedy rows when ``defer_greedy``); the rows filled."""
+        started = time.perf_counter()
+        for s in seqs:
+            self._ensure_matcher(s)
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not (defer_greedy and s.params.is_greedy)]
+        if rows:
+            self.guided.fill([seqs[i].matcher for i in rows], rows)
+        timing.fill = time.perf_counter() - started
+        return rows
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the parent's siblings, each with a copy of its prefilled K/V and its own matcher."""
@@ -243,34 +262,74 @@ class LLMEngine:
         return out
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, guided_rows: list[int], timing: StepTiming
-    ) -> list[int]:
+        self, seqs: list[Sequence], logits: torch.Tensor, filled: list[int], timing: StepTiming
+    ) -> tuple[list[int], set[int]]:
+        """Tokens of the rows, and the rows whose matchers accepted theirs already."""
         t0 = time.perf_counter()
-        for row, s in enumerate(seqs):
-            if s.params.ignore_eos and s.matcher is None:
-                logits[row, self.eos_token_ids] = float("-inf")
-        greedy = None
-        if guided_rows and self.lazy_mask and logits.device.type == "cpu":
-            # A greedy row whose unmasked argmax is a token the grammar allows has the same argmax
-            # masked: only the other rows need the (full-vocabulary) mask.
-            greedy = logits.max(-1).indices
-            top = greedy.tolist()
-            guided_rows = [r for r in guided_rows if not (seqs[r].params.is_greedy and self.guided.allows(r, top[r]))]
-        if guided_rows:
-            self.guided.apply(logits, guided_rows)
-            if greedy is not None:
-                greedy[guided_rows] = logits[guided_rows].max(-1).indices
+        no_eos = [row for row, s in enumerate(seqs) if s.params.ignore_eos and s.matcher is None]
+        if no_eos and self.eos_token_ids:
+            no_eos_rows = torch.tensor(no_eos, device=logits.device)[:, None]
+            logits[no_eos_rows, torch.tensor(self.eos_token_ids, device=logits.device)] = float("-inf")
+        greedy: torch.Tensor | None = None
+        accepted: set[int] = set()
+        masked, fill_before = filled, timing.fill
+        if self.lazy_mask and logits.device.type == "cpu" and any(s.matcher is not None for s in seqs):
+            greedy, accepted, masked = self._lazy_mask(seqs, logits, filled, timing)
+        if masked:
+            self.guided.apply(logits, masked)
+            rows = [r for r in masked if seqs[r].params.is_greedy]
+            if greedy is not None and rows:
+                greedy[rows] = greedy_ids(logits[rows])
         t1 = time.perf_counter()
         ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy=greedy)
         t2 = time.perf_counter()
         tokens = self.copier.start(ids)()
         t3 = time.perf_counter()
-        timing.apply, timing.sample, timing.copy = t1 - t0, t2 - t1, t3 - t2
-        return tokens
+        # the lazy path's accept and fill are timed as such, not as apply
+        timing.apply = t1 - t0 - timing.accept - (timing.fill - fill_before)
+        timing.sample, timing.copy = t2 - t1, t3 - t2
+        return tokens, accepted
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int], timing: StepTiming) -> list[SeqOutput]:
+    def _lazy_mask(
+        self, seqs: list[Sequence], logits: torch.Tensor, filled: list[int], timing: StepTiming
+    ) -> tuple[torch.Tensor, set[int], list[int]]:
+        """Greedy rows without the full-vocabulary mask where that is exact (CPU): the argmax, the rows
+        whose matchers accepted it, and the rows that still need the mask.
+
+        A greedy row's argmax, if the grammar allows it, is also its masked argmax: a row whose fill
+        was deferred offers it to its matcher (refused: the row is filled now), a filled row tests
+        its bit. A row that allows few tokens takes the argmax among them.
+        """
+        greedy = greedy_ids(logits)
+        top = greedy.tolist()
+        is_filled = set(filled)
+        deferred = [r for r, s in enumerate(seqs) if s.matcher is not None and r not in is_filled]
+        accepted: set[int] = set()
+        check = [r for r in filled if seqs[r].params.is_greedy and not self.guided.allows(r, top[r])]
+        if deferred:
+            t0 = time.perf_counter()
+            ok = self.guided.try_accept([seqs[r].matcher for r in deferred], [top[r] for r in deferred])
+            accepted = {r for r, good in zip(deferred, ok, strict=True) if good}
+            refused = [r for r in deferred if r not in accepted]
+            t1 = time.perf_counter()
+            if refused:
+                self.guided.fill([seqs[r].matcher for r in refused], refused)
+                check += refused
+            timing.accept, timing.fill = t1 - t0, timing.fill + time.perf_counter() - t1
+        masked = [r for r in filled if not seqs[r].params.is_greedy]
+        for r in check:
+            choice = self.guided.masked_argmax(logits, r)
+            if choice is None:
+                masked.append(r)
+            else:
+                greedy[r] = choice
+        return greedy, accepted, masked
+
+    def _postprocess(
+        self, seqs: list[Sequence], tokens: list[int], accepted_rows: set[int], timing: StepTiming
+    ) -> list[SeqOutput]:
         t0 = time.perf_counter()
-        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None and i not in accepted_rows]
         accepted = dict(
             zip(
                 guided,
@@ -278,7 +337,7 @@ class LLMEngine:
                 strict=True,
             )
         )
-        timing.accept = time.perf_counter() - t0
+        timing.accept += time.perf_counter() - t0
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if not accepted.get(row, True):

@@ -15,6 +15,10 @@ import xgrammar as xgr
 __all__ = ["GuidedDecoder", "new_matcher"]
 
 _SPLIT_APPLY_ROWS = 8  # below this, a thread hop costs more than it saves
+# A row that allows at most this many 32-token mask words (8,192 tokens) is masked by gathering its
+# allowed logits: xgrammar's CPU kernel walks all 131k entries of a row (0.7 ms when most are masked).
+_SPARSE_WORDS = 256
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def new_matcher(grammar: Any, replay: list[int] = ()) -> xgr.GrammarMatcher:  # type: ignore[assignment]
@@ -53,6 +57,18 @@ class GuidedDecoder:
             bitmask = bitmask.to(logits.device, non_blocking=True)
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
             return
+        dense = []
+        for row in rows:
+            ids = self.allowed_ids(row)
+            if ids is None:
+                dense.append(row)
+            else:
+                kept = logits[row, ids]
+                logits[row].fill_(float("-inf"))
+                logits[row, ids] = kept
+        rows = dense
+        if not rows:
+            return
         if len(rows) < _SPLIT_APPLY_ROWS:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
             return
@@ -65,12 +81,39 @@ class GuidedDecoder:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows[:half])
         other.result()
 
+    def allowed_ids(self, row: int) -> torch.Tensor | None:
+        """The token ids the filled bitmask row ``row`` allows, ascending; None when there are many."""
+        words = self.host_bitmask[row]  # [vocab / 32] int32, bit i of word w: token 32 w + i
+        if int(torch.count_nonzero(words)) > _SPARSE_WORDS:
+            return None
+        nonzero = words.nonzero().flatten()
+        bits = (words[nonzero, None] >> _BITS) & 1  # [W, 32]
+        ids = (nonzero[:, None] * 32 + _BITS)[bits.bool()]
+        return ids[ids < self.vocab_size]
+
+    def masked_argmax(self, logits: torch.Tensor, row: int) -> int | None:
+        """Row ``row``'s greedy token under its mask without masking the row (the first maximum among
+        the allowed ids, as argmax of the masked row gives); None when the row allows many tokens."""
+        ids = self.allowed_ids(row)
+        if ids is None or not ids.numel():
+            return None
+        return int(ids[logits[row, ids].argmax()])
+
     def allows(self, row: int, token: int) -> bool:
         """Whether the filled bitmask row ``row`` allows ``token`` (one bit test on the host)."""
         return bool((int(self.host_bitmask[row, token >> 5]) >> (token & 31)) & 1)
 
     @staticmethod
     def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its sampled token; False: the grammar rejects it (a bug upstream)."""
+        if not matchers:
+            return []
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+
+    @staticmethod
+    def try_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Advance each matcher by a candidate token where its grammar allows it; False leaves that
+        matcher as it was (the caller then masks the row and chooses again)."""
         if not matchers:
             return []
         return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)

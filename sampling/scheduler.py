@@ -78,7 +78,7 @@ class Scheduler:
             return None
         seq = self.waiting[0]
         # the whole prompt plus one decode token, for the sequence and each child it will fork into
-        need = blocks_needed(seq.num_tokens + 1, self.block_size) * seq.num_siblings
+        need = blocks_needed(seq.num_tokens + 1, self.block_size) * self._num_copies(seq)
         if need > self.allocator.num_blocks:  # waiting would never help
             self.unfit.append(self.waiting.popleft())
             return self._admit()
@@ -98,13 +98,34 @@ class Scheduler:
             if seq is not None:
                 start = seq.num_computed
                 end = min(seq.num_tokens, start + self.chunk_tokens)
-                self._grow(seq, end)
-                self._last_was_prefill = True
-                return PrefillStep(seq, start, end)
+                if self._reserve(seq, end):
+                    self._grow(seq, end)
+                    self._last_was_prefill = True
+                    return PrefillStep(seq, start, end)
+                decoding = [s for s in self.running if not s.is_prefilling]
         self._last_was_prefill = False
         if not decoding:
             return None
         return self._schedule_decode(decoding)
+
+    @staticmethod
+    def _num_copies(seq: Sequence) -> int:
+        """How many copies of its blocks ``seq`` will hold: n until it has forked, then 1."""
+        return 1 if seq.has_forked else seq.num_siblings
+
+    def _reserve(self, seq: Sequence, end: int) -> bool:
+        """Make room for the prefill chunk ending at ``end`` (and, on the last chunk, for the children
+        it forks into), preempting the newest running sequences. Decodes that grew since ``seq`` was
+        admitted may have taken its room: then it may be the one preempted (False)."""
+        need = self._blocks_for(seq, end)
+        if end == seq.num_tokens:
+            need += (self._num_copies(seq) - 1) * blocks_needed(end, self.block_size)
+        while need > self.allocator.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _schedule_decode(self, decoding: list[Sequence]) -> DecodeStep | None:
         for seq in list(decoding):

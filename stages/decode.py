@@ -6,8 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from pipeline.config import PipelineConfig
+from pipeline.errors import PipelineError
 from stages.offload import Offload
 from vision.image_io import decode_image
 
@@ -25,7 +27,7 @@ class DecodeStage:
         transform: Callable[[Any], Any] | None = None,
     ) -> None:
         self.max_pixels = config.max_image_pixels
-        self.target_longest_edge = target_longest_edge
+        self.target_longest_edge = target_longest_edge  # JPEG draft mode decodes no smaller than this
         self.transform = transform  # e.g. the model's preprocessing, done in the same thread hop
         self.offload = Offload(anyio.CapacityLimiter(config.decode_threads), inline=config.inline_preparation)
         self.limiter = self.offload.limiter
@@ -37,8 +39,21 @@ class DecodeStage:
         return self.transform(image) if self.transform is not None else image
 
     async def run(self, data: bytes, *, field: str) -> Any:
-        """The decoded RGB image (or its transform).
+        """The decoded RGB ``PIL.Image`` (or its transform).
 
-        :raises ImageDecodeError: not a supported image. :raises PayloadTooLarge: over the pixel cap.
+        :raises ImageDecodeError: not a supported, intact image.
+        :raises PayloadTooLarge: over the pixel cap.
         """
-        return await self.offload.run(self._decode, data, field)
+        # Cancellation (DESIGN rule 3). A caller cancelled while it waits for a limiter token leaves
+        # without any work done. Once the work is in a thread, to_thread.run_sync (abandon_on_cancel
+        # left False) waits for it inside a shielded scope and returns the limiter token only when the
+        # thread has finished, so cancelled work never piles up behind the limiter; it then returns
+        # normally, and the checkpoint below delivers the pending cancellation instead of the result.
+        # (An anyio cancel scope only: a native asyncio task.cancel() is not held back by the shield.)
+        try:
+            result = await self.offload.run(self._decode, data, field)
+        except PipelineError as exc:
+            exc.bind(stage=self.name)  # errors of the transform too
+            raise
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result

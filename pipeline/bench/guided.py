@@ -1,9 +1,12 @@
 """guided: time per output token with a JSON-schema grammar ÷ without, batch 1, 8 and 32.
 
-Drives the decode engine directly (no request pipeline): same prompts, same number of steps.
-TPOT is the median time of decode steps that ran the full batch (prefill excluded); the plain run
-uses ignore_eos so every sequence runs to max_tokens. The step timeline shows which parts of a step
-overlap the forward pass (the bitmask fill) and which add to it (apply, sample, accept).
+Drives the decode engine directly (no request pipeline) with the same prompts and the same output
+lengths: the guided run goes first, under a schema whose shortest valid output is longer than
+``--steps`` tokens (so every sequence runs to ``max_tokens``), then the plain run uses
+``ignore_eos`` and ``max_tokens`` equal to the guided sequences' lengths. TPOT is the median time
+of the decode steps that ran the whole batch: prefill and the ramp-up while the batch fills are
+excluded. The step timeline shows what overlaps the forward pass (the bitmask fill) and what adds
+to it (apply, sample, accept).
 """
 
 from __future__ import annotations
@@ -26,60 +29,74 @@ from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "guided_schema", "run", "run_guided"]
 
-# Twelve required string fields: the shortest valid output is longer than --steps tokens, so no
-# sequence can finish early and every measured step runs the full batch, as in the plain run.
-SCHEMA = {
-    "type": "object",
-    "properties": {f"field_{i}": {"type": "string"} for i in range(12)},
-    "required": [f"field_{i}" for i in range(12)],
-    "additionalProperties": False,
-}
 PARTS = ("forward", "fill", "wait", "apply", "sample", "copy", "accept", "total")
+
+
+def guided_schema(num_fields: int) -> dict[str, Any]:
+    """Required string fields, each at least one token: no valid output is shorter than ``num_fields``."""
+    names = [f"field_{i}" for i in range(num_fields)]
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in names},
+        "required": names,
+        "additionalProperties": False,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    parser.add_argument("--steps", type=int, default=48, help="tokens generated per sequence")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per batch size; the median is reported")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--out", default=None, help="folder for guided.json and guided.png")
 
 
-def _run_once(engine: LLMEngine, prompts: list[list[int]], grammar: Any, steps: int, tag: str) -> list[StepTiming]:
+def _run_once(
+    engine: LLMEngine, prompts: list[list[int]], grammar: Any, lengths: list[int], tag: str
+) -> tuple[list[StepTiming], list[int]]:
+    """Full-batch decode steps of one run, and each sequence's number of generated tokens."""
     engine.timeline.clear()
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=grammar is None)
+    for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
+        params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=grammar is None)
         engine.add(EngineInput(f"{tag}-{i}", prompt, 10, None, params, grammar))
+    generated = [0] * len(prompts)
     while engine.has_work():
-        engine.step()
-    return [t for t in engine.timeline if t.kind == "decode" and t.batch == len(prompts)]
+        for out in engine.step():
+            if out.finish_reason not in (None, "length"):
+                raise RuntimeError(f"{out.request_id} ended with {out.finish_reason}: the lengths would differ")
+            generated[int(out.request_id.rsplit("-", 1)[1])] += len(out.token_ids)
+    return [t for t in engine.timeline if t.kind == "decode" and t.batch == len(prompts)], generated
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _means(steps: list[StepTiming]) -> dict[str, float]:
+    return {p: statistics.fmean(getattr(t, p) for t in steps) * 1000 if steps else 0.0 for p in PARTS}
+
+
+def run_guided(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the scenario; print its tables and return ``{"scenario": "guided", "results": [...]}``."""
     import xgrammar as xgr
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     checkpoint = open_checkpoint(None, default_cache_dir())
     tokenizer = checkpoint.tokenizer
     batches = [int(b) for b in args.batches.split(",")]
-    num_blocks = max(batches) * 16
-    runner = ModelRunner(
-        checkpoint,
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        max_model_len=1024,
-        num_blocks=num_blocks,
-        block_size=16,
-    )
+    num_blocks = max(batches) * (-(-(args.steps + 64) // 16))
+    runner = ModelRunner(checkpoint, device=device, max_model_len=1024, num_blocks=num_blocks, block_size=16)
     engine = LLMEngine(
         runner,
         TokenBytes.from_tokenizer(checkpoint.tokenizer_info, tokenizer),
-        eos_token_ids=[2],
+        eos_token_ids=[int(t) for t in checkpoint.tokenizer_info.stop_token_ids],
         num_blocks=num_blocks,
         max_running=max(batches),
         record_timeline=True,
     )
     grammar = xgr.GrammarCompiler(checkpoint.tokenizer_info).compile_json_schema(
-        json.dumps(SCHEMA), any_whitespace=False
+        json.dumps(guided_schema(args.steps + 1)), any_whitespace=False, strict_mode=True
     )
     results, timelines = [], {}
     with tqdm(total=len(batches) * args.repeats * 2, desc="guided", file=sys.stderr) as progress:
@@ -88,39 +105,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tokenizer.encode(f"[INST]Write note {i} about the sea.[/INST]", add_special_tokens=False)
                 for i in range(batch)
             ]
-            _run_once(engine, prompts, grammar, 4, "warm")
-            plain_runs, guided_runs, guided_steps, plain_steps = [], [], [], []
+            _run_once(engine, prompts, grammar, [4] * batch, "warm")
+            plain_tpot, guided_tpot, plain_steps, guided_steps = [], [], [], []
             for r in range(args.repeats):
-                plain = _run_once(engine, prompts, None, args.steps, f"p{batch}-{r}")
-                guided = _run_once(engine, prompts, grammar, args.steps, f"g{batch}-{r}")
-                plain_runs.append(median([t.total for t in plain]))
-                guided_runs.append(median([t.total for t in guided]) if guided else float("nan"))
+                guided, lengths = _run_once(engine, prompts, grammar, [args.steps] * batch, f"g{batch}-{r}")
+                plain, plain_lengths = _run_once(engine, prompts, None, lengths, f"p{batch}-{r}")
+                assert plain_lengths == lengths == [args.steps] * batch, (lengths, plain_lengths)
+                guided_tpot.append(median([t.total for t in guided]))
+                plain_tpot.append(median([t.total for t in plain]))
                 guided_steps += guided
                 plain_steps += plain
                 progress.update(2)
-            tp, tg = median(plain_runs), median(guided_runs)
-            timelines[f"{batch} guided"] = {
-                p: statistics.fmean(getattr(t, p) for t in guided_steps) * 1000 for p in PARTS
-            }
-            timelines[f"{batch} plain"] = {
-                p: statistics.fmean(getattr(t, p) for t in plain_steps) * 1000 for p in PARTS
-            }
+            tp, tg = median(plain_tpot), median(guided_tpot)
+            timelines[f"{batch} guided"], timelines[f"{batch} plain"] = _means(guided_steps), _means(plain_steps)
             results.append(
                 {
                     "batch": batch,
                     "tpot_ms_plain": round(tp * 1000, 3),
                     "tpot_ms_guided": round(tg * 1000, 3),
                     "ratio": round(tg / tp, 3),
+                    "fill_ms": round(timelines[f"{batch} guided"]["fill"], 3),
+                    "wait_ms": round(timelines[f"{batch} guided"]["wait"], 3),
                     "full_batch_steps": len(guided_steps) // args.repeats,
                 }
             )
-    print(f"\nguided: {args.steps} tokens per sequence, greedy, median of {args.repeats} runs, {machine()}")
-    print_table(
-        ["batch", "TPOT plain ms", "TPOT guided ms", "ratio", "full-batch steps"],
-        [[r["batch"], r["tpot_ms_plain"], r["tpot_ms_guided"], r["ratio"], r["full_batch_steps"]] for r in results],
+    threads = torch.get_num_threads()
+    print(
+        f"\nguided: {args.steps} tokens per sequence, greedy, median of {args.repeats} runs, "
+        f"{device}, torch threads {threads}, {machine()}"
     )
-    print("\nstep timeline (mean ms; fill runs while the forward pass runs, wait = forward left after it)")
-    print_table(["batch", *PARTS], [[b, *(t[p] for p in PARTS)] for b, t in timelines.items()])
+    print_table(
+        ["batch", "TPOT plain ms", "TPOT guided ms", "ratio", "fill ms", "wait ms", "full-batch steps"],
+        [[r["batch"], r["tpot_ms_plain"], r["tpot_ms_guided"], r["ratio"], r["fill_ms"], r["wait_ms"],
+          r["full_batch_steps"]] for r in results],
+    )  # fmt: skip
+    print("\nstep timeline (mean ms of full-batch decode steps; fill runs while the forward pass runs)")
+    print_table(["run", *PARTS], [[name, *(t[p] for p in PARTS)] for name, t in timelines.items()])
     figures = {"scenario": "guided", "results": results}
 
     def plot(ax: Any) -> None:
@@ -129,5 +149,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ax.bar([x + " guided" for x in xs], [r["tpot_ms_guided"] for r in results])
         ax.set_ylabel("time per output token (ms)")
 
-    write_outputs(args.out, "guided", {**figures, "timeline_ms": timelines, "machine": machine()}, plot)
+    extra = {"timeline_ms": timelines, "machine": machine(), "torch_threads": threads, "device": device}
+    write_outputs(args.out, "guided", {**figures, **extra}, plot)
     return figures
+
+
+run = run_guided  # the name ``python -m pipeline bench`` calls

@@ -1,8 +1,12 @@
-"""One model runner and compiler for the engine tests; each test gets a fresh engine over them."""
+"""One model runner and one grammar compiler per session; each test builds fresh engines over them.
+
+The runner owns the KV cache, so every engine a test builds must give all its blocks back: the
+``new_engine`` factory checks that when the test ends.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +17,10 @@ from sampling.engine import LLMEngine
 from sampling.model_runner import ModelRunner
 from vision.checkpoint import Checkpoint
 
-NUM_BLOCKS = 256
+NUM_BLOCKS = 1024  # x 16 tokens; the tiny model's cache is 8 KiB a block
+EOS = [2]
+
+NewEngine = Callable[..., LLMEngine]
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +39,31 @@ def token_bytes(checkpoint: Checkpoint) -> TokenBytes:
 
 
 @pytest.fixture
-def engine(runner: ModelRunner, token_bytes: TokenBytes) -> Iterator[LLMEngine]:
-    eng = LLMEngine(runner, token_bytes, eos_token_ids=[2], num_blocks=NUM_BLOCKS, max_running=16, record_timeline=True)
-    yield eng
-    # every test must leave the shared KV cache empty
-    assert eng.scheduler.allocator.num_free == NUM_BLOCKS
-    assert not eng.has_work()
+def new_engine(runner: ModelRunner, token_bytes: TokenBytes) -> Iterator[NewEngine]:
+    """``new_engine(num_blocks=..., max_running=..., ...)``: a fresh engine over the shared runner."""
+    engines: list[LLMEngine] = []
+
+    def build(
+        *, num_blocks: int = NUM_BLOCKS, max_running: int = 16, eos_token_ids: list[int] = EOS, **kwargs: Any
+    ) -> LLMEngine:
+        engine = LLMEngine(
+            runner,
+            token_bytes,
+            eos_token_ids=eos_token_ids,
+            num_blocks=num_blocks,
+            max_running=max_running,
+            record_timeline=True,
+            **kwargs,
+        )
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:  # every test leaves the shared KV cache empty and the engine idle
+        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
+        assert not engine.has_work() and engine.num_requests == 0
+
+
+@pytest.fixture
+def engine(new_engine: NewEngine) -> LLMEngine:
+    return new_engine()

@@ -2,40 +2,63 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from sampling.model_runner import ModelRunner
 from vision.checkpoint import Checkpoint
 
+ATOL = 1e-4
 
-def test_chunked_prefill_and_batched_decode_match_transformers(runner: ModelRunner, checkpoint: Checkpoint) -> None:
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Checkpoint) -> Any:
     from transformers import LlavaForConditionalGeneration
 
-    reference = LlavaForConditionalGeneration.from_pretrained(checkpoint.path).eval()
-    ids = torch.randint(20, 131_072, (1, 40), generator=torch.Generator().manual_seed(0))
+    return LlavaForConditionalGeneration.from_pretrained(checkpoint.path).eval()
+
+
+def _reference_logits(reference: Any, ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        expected = reference(input_ids=ids).logits[0]
-    table_a, table_b = [5, 9, 3], [7, 8, 11]  # scattered blocks: positions cross block boundaries
-    first = runner.prefill(ids[0, :17].tolist(), 0, table_a, None)
-    second = runner.prefill(ids[0, 17:30].tolist(), 17, table_a, None)
-    assert torch.allclose(first[0], expected[16], atol=1e-4)
-    assert torch.allclose(second[0], expected[29], atol=1e-4)
-    runner.prefill(ids[0, :30].tolist(), 0, table_b, None)
-    for pos in range(30, 40):
-        logits = runner.decode([int(ids[0, pos])] * 2, [pos, pos], [table_a, table_b])
-        assert torch.allclose(logits[0], expected[pos], atol=1e-4)
-        assert torch.allclose(logits[1], expected[pos], atol=1e-4)
+        return reference(input_ids=ids[None]).logits[0]  # [T, vocab]
 
 
-def test_image_embeddings_replace_image_tokens(runner: ModelRunner, checkpoint: Checkpoint) -> None:
-    from transformers import LlavaForConditionalGeneration
+def test_chunked_prefill_and_batched_decode_match_transformers(runner: ModelRunner, reference: Any) -> None:
+    gen = torch.Generator().manual_seed(0)
+    seq_a = torch.randint(20, 131_072, (40,), generator=gen)
+    seq_b = torch.randint(20, 131_072, (29,), generator=gen)
+    expected_a, expected_b = _reference_logits(reference, seq_a), _reference_logits(reference, seq_b)
+    # scattered, non-monotonic blocks; chunks end mid-block, so positions cross block boundaries
+    table_a, table_b = [5, 9, 3], [7, 1, 11]
+    for start, end in [(0, 7), (7, 17), (17, 30)]:
+        logits = runner.prefill(seq_a[start:end].tolist(), start, table_a, None)
+        torch.testing.assert_close(logits[0], expected_a[end - 1], atol=ATOL, rtol=0)
+    logits = runner.prefill(seq_b[:19].tolist(), 0, table_b, None)
+    torch.testing.assert_close(logits[0], expected_b[18], atol=ATOL, rtol=0)
+    # two sequences of different lengths in one decode batch: padding keys must stay invisible
+    for step in range(10):
+        pos_a, pos_b = 30 + step, 19 + step
+        logits = runner.decode([int(seq_a[pos_a]), int(seq_b[pos_b])], [pos_a, pos_b], [table_a, table_b])
+        torch.testing.assert_close(logits[0], expected_a[pos_a], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[1], expected_b[pos_b], atol=ATOL, rtol=0)
 
-    reference = LlavaForConditionalGeneration.from_pretrained(checkpoint.path).eval()
-    ids = torch.tensor([[1, 3, 10, 10, 10, 12, 10, 10, 10, 13, 500, 4]])
-    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+
+def test_image_embeddings_at_image_tokens_match_inputs_embeds(
+    runner: ModelRunner, checkpoint: Checkpoint, reference: Any
+) -> None:
+    img = checkpoint.image_token_id
+    ids = torch.tensor([1, 3, img, img, img, 12, img, img, img, 13, 500, 4, 700, 800, 900, 1000, 1100, 1200])
+    rows = torch.randn(6, runner.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        embeds = reference.get_input_embeddings()(ids)
-        embeds[ids == 10] = rows
-        expected = reference(inputs_embeds=embeds).logits[0, -1]
-    got = runner.prefill(ids[0].tolist(), 0, [0], rows)
-    assert torch.allclose(got[0], expected, atol=1e-4)
+        embeds = reference.get_input_embeddings()(ids[None])
+        embeds[ids[None] == img] = rows
+        expected = reference(inputs_embeds=embeds).logits[0]
+    table = [2, 6]
+    # two chunks: the first ends inside the image, so each chunk carries only its own image rows
+    first = runner.prefill(ids[:4].tolist(), 0, table, rows[:2])
+    second = runner.prefill(ids[4:].tolist(), 4, table, rows[2:])
+    torch.testing.assert_close(first[0], expected[3], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second[0], expected[-1], atol=ATOL, rtol=0)
+    assert not torch.allclose(second[0], _reference_logits(reference, ids)[-1], atol=ATOL)  # the rows matter
