@@ -10,9 +10,9 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pipeline.errors import InvalidRequest
+from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, TextPart
 from sampling.params import SamplingParams
 
 __all__ = [
@@ -25,43 +25,9 @@ __all__ = [
     "parse_chat_request",
 ]
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 _ROLES = ("system", "user", "assistant")
 _MAX_STOP_STRINGS = 8
 _MAX_N = 16
-
-
-@dataclass(frozen=True, slots=True)
-class TextPart:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ImagePart:
-    url: str
-    field: str  # where the URL sat in the body, for error messages
-    index: int  # position of this image among the request's images
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    role: str
-    parts: tuple[TextPart | ImagePart, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarSpec:
-    """A structured-output constraint; ``key`` is canonical, so equal constraints share a cache entry."""
-
-    kind: GrammarKind
-    value: Any  # schema dict (json_schema), None (json_object), str (regex/grammar), list[str] (choice)
-    strict: bool = True
-    field: str = "response_format"
-
-    @property
-    def key(self) -> str:
-        body = json.dumps(self.value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return f"{self.kind}:{int(self.strict)}:{body}"
 
 
 @dataclass(slots=True)

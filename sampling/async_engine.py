@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.errors import Overloaded, PipelineError
+from pipeline.types import Overloaded, PipelineError
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 

@@ -9,7 +9,7 @@ import anyio
 import anyio.lowlevel
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineError
+from pipeline.types import PipelineError
 from stages.offload import Offload
 from vision.image_io import decode_image
 

@@ -21,7 +21,7 @@ import anyio
 from yarl import URL
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge
+from pipeline.types import DeadlineExceeded, ImageFetchError, PayloadTooLarge
 from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, Resolver, SystemResolver
 
 __all__ = ["FetchStage"]

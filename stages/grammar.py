@@ -25,8 +25,7 @@ import xgrammar as xgr
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import DeadlineExceeded, GrammarError, PipelineError
-from pipeline.request import GrammarSpec
+from pipeline.types import DeadlineExceeded, GrammarError, GrammarSpec, PipelineError
 from stages.schema_support import check_schema_support
 
 __all__ = ["GrammarStage", "GrammarStats", "compile_spec"]

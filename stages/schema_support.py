@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.errors import UnsupportedSchemaError
+from pipeline.types import UnsupportedSchemaError
 
 __all__ = ["IGNORED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unsupported"]
 

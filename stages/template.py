@@ -10,8 +10,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.errors import InvalidRequest, PromptTooLong
-from pipeline.request import ImagePart, Message
+from pipeline.types import ImagePart, InvalidRequest, Message, PromptTooLong
 from stages.offload import Offload
 from vision.preprocess import ImageTokenIds, PreparedImage, expand_image_tokens
 

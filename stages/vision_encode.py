@@ -13,7 +13,7 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.errors import PipelineError
+from pipeline.types import PipelineError
 from stages.offload import Offload
 from vision.encoder import VisionEncoder
 from vision.preprocess import PreparedImage
