@@ -26,6 +26,7 @@ check: $(STAMP)
 	$(VENV)/bin/ruff check pipeline stages vision sampling tests examples
 	$(VENV)/bin/ruff format --check pipeline stages vision sampling tests examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) -m pipeline bench $(SCENARIO) $(BENCH_ARGS)

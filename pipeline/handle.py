@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from pipeline.errors import EngineError, PipelineError, RequestCancelled
+from pipeline.errors import EngineError, Overloaded, PipelineError, RequestCancelled
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest
 from pipeline.trace import Tracer
+from pipeline.types import Mailbox, Outcome
+from sampling.async_engine import EngineQueueFull
 from sampling.inputs import EngineInput
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Choice", "Delta", "RequestHandle", "Result"]
 
@@ -67,9 +71,8 @@ class RequestHandle:
         self._metrics = metrics
         n = request.sampling.n
         self._choices = [Choice(i) for i in range(n)]
-        self._deltas: deque[Delta] = deque()  # bounded by max_tokens * n
-        self._new_delta = anyio.Event()
-        self._done = anyio.Event()
+        self._deltas: Mailbox[Delta] = Mailbox()  # bounded by max_tokens * n
+        self._outcome: Outcome[Result] = Outcome()
         self._error: PipelineError | None = None
         self._scope = anyio.CancelScope()
         self._prompt_tokens = 0
@@ -89,18 +92,38 @@ class RequestHandle:
                 self._error = RequestCancelled("the request was cancelled", request_id=self.request_id)
         except PipelineError as exc:
             self._error = exc.bind(request_id=self.request_id)
-        except Exception as exc:  # a bug: a 500 for this request only
-            self._error = PipelineError(f"internal error: {exc!r}", request_id=self.request_id)
+        except Exception as exc:  # a bug: a 500 for this request only, logged once with its traceback
+            logger.exception("request %s failed with an unexpected error", self.request_id)
+            self._error = PipelineError(f"internal error ({type(exc).__name__})", request_id=self.request_id)
         finally:
             if self._error is not None:
                 outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
             self._metrics.outcomes[f"request_{outcome}"] += 1
             self._timings["total"] = anyio.current_time() - started
-            self._done.set()
-            self._new_delta.set()
+            self._end()
+
+    def _end(self) -> None:
+        self._deltas.close(self._error)
+        if self._error is None:
+            self._outcome.set_result(
+                Result(
+                    request_id=self.request_id,
+                    choices=self._choices,
+                    prompt_tokens=self._prompt_tokens,
+                    completion_tokens=sum(len(c.token_ids) for c in self._choices),
+                    timings=self._timings,
+                )
+            )
+        elif isinstance(self._error, RequestCancelled):
+            self._outcome.cancel(self._error)
+        else:
+            self._outcome.fail(self._error)
 
     async def _decode(self, inp: EngineInput, started: float) -> None:
-        stream = self._engine.submit(inp)
+        try:
+            stream = self._engine.submit(inp)
+        except EngineQueueFull as exc:
+            raise Overloaded(str(exc), stage="engine", request_id=self.request_id) from None
         submitted = time.perf_counter()
         try:
             async for out in stream:
@@ -115,8 +138,7 @@ class RequestHandle:
                 choice.token_ids += out.token_ids
                 choice.finish_reason = out.finish_reason
                 self._metrics.tokens_generated += len(out.token_ids)
-                self._deltas.append(Delta(out.index, out.text, out.token_ids, out.finish_reason))
-                self._new_delta.set()
+                self._deltas.put(Delta(out.index, out.text, out.token_ids, out.finish_reason))
         finally:
             if self._tracer is not None:
                 tokens = sum(len(c.token_ids) for c in self._choices)
@@ -133,40 +155,27 @@ class RequestHandle:
 
     async def _iterate(self) -> AsyncIterator[Delta]:
         try:
-            while True:
-                while self._deltas:
-                    yield self._deltas.popleft()
-                if self._done.is_set():
-                    break
-                self._new_delta = anyio.Event()
-                await self._new_delta.wait()
+            async for delta in self._deltas:
+                yield delta
+        except PipelineError:
+            raise
         except BaseException:
             self.cancel()  # the consumer went away (cancelled or broke out): stop generating
             raise
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
 
     async def wait_done(self) -> None:
-        await self._done.wait()
+        await self._outcome.wait()
 
     @property
     def is_done(self) -> bool:
-        return self._done.is_set()
+        return self._outcome.is_done
 
     async def result(self) -> Result:
         """The finished result. :raises PipelineError: the request's typed error."""
         try:
-            await self._done.wait()
+            return await self._outcome.result()
+        except PipelineError:
+            raise
         except BaseException:
             self.cancel()
             raise
-        if self._error is not None:
-            raise self._error
-        return Result(
-            request_id=self.request_id,
-            choices=self._choices,
-            prompt_tokens=self._prompt_tokens,
-            completion_tokens=sum(len(c.token_ids) for c in self._choices),
-            timings=self._timings,
-        )

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
+from pipeline.engine_factory import build_engine
 from pipeline.errors import Overloaded, ShuttingDown
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
@@ -15,11 +20,45 @@ from pipeline.preparation import Preparation, PreparedRequest
 from pipeline.request import ChatRequest, parse_chat_request
 from pipeline.staged import Job
 from pipeline.trace import Tracer
+from sampling.async_engine import AsyncEngine
 from sampling.inputs import EngineInput
 from vision.checkpoint import Checkpoint, open_checkpoint
 from vision.encoder import VisionEncoder
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "PipelineState", "Resources"]
+
+
+class PipelineState(enum.Enum):
+    NEW = "new"  # built, not started
+    STARTING = "starting"  # loading the model
+    ACCEPTING = "accepting"
+    DRAINING = "draining"  # admitted requests go on; new ones get 503
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """What the pipeline holds now; every field is 0 once it is idle (tests assert exactly that)."""
+
+    pending_requests: int  # admitted, not yet out of the stages
+    running_requests: int  # handles not yet done
+    grammar_compiles: int  # compile jobs in flight
+    limiter_tokens: dict[str, int]  # per stage limiter: tokens borrowed (threads and slots in use)
+    queued: dict[str, int]  # per stage inbox: jobs waiting
+    in_flight: dict[str, int]  # per stage: jobs a worker is on
+    engine: dict[str, int]  # engine requests, output streams, KV blocks in use
+
+    @property
+    def is_released(self) -> bool:
+        counts = [self.pending_requests, self.running_requests, self.grammar_compiles]
+        counts += [*self.limiter_tokens.values(), *self.queued.values(), *self.in_flight.values()]
+        counts += list(self.engine.values())
+        return not any(counts)
+
+
+async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
+    with anyio.CancelScope(shield=True):
+        await close()
 
 
 class Pipeline:
@@ -32,54 +71,86 @@ class Pipeline:
         self.tracer = tracer
         self.with_engine = with_engine
         self.metrics = Metrics()
-        self._pending = 0
-        self._accepting = False
+        self.state = PipelineState.NEW
+        self._checkpoint: Checkpoint | None = None
+        self._encoder: VisionEncoder | None = None
+        self._preparation: Preparation | None = None
+        self._engine: AsyncEngine | None = None
+        self._stack = AsyncExitStack()
         self._tg: TaskGroup | None = None
-        self.engine: Any = None
+        self._pending = 0  # jobs admitted and not yet out of the stages
         self._handles: set[RequestHandle] = set()
         self._idle = anyio.Event()
+
+    # -- what start() builds -------------------------------------------------------------------
+    @property
+    def checkpoint(self) -> Checkpoint:
+        if self._checkpoint is None:
+            raise RuntimeError("the pipeline is not started")
+        return self._checkpoint
+
+    @property
+    def encoder(self) -> VisionEncoder | None:
+        return self._encoder
+
+    @property
+    def preparation(self) -> Preparation:
+        if self._preparation is None:
+            raise RuntimeError("the pipeline is not started")
+        return self._preparation
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("the pipeline is not started, or was built with_engine=False")
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.model_name
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _load(self) -> None:
         """Heavy, synchronous model loading (run in a worker thread)."""
         cfg = self.config
-        self.device = cfg.resolved_device()
-        self.checkpoint: Checkpoint = open_checkpoint(cfg.model, cfg.cache_dir)
-        ck = self.checkpoint
-        self.tokenizer = ck.tokenizer
-        self.encoder = VisionEncoder(ck, device=self.device) if ck.vision_config is not None else None
-        self.tokenizer_info = ck.tokenizer_info
+        device = cfg.resolved_device()
+        self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
+        self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
         if self.with_engine:
-            from sampling.factory import build_engine
-
-            self.engine = build_engine(ck, self.tokenizer_info, cfg, device=self.device)
-            self.engine.engine.tracer = self.tracer
+            self._engine = build_engine(ck, cfg, device=device, tracer=self.tracer)
 
     async def __aenter__(self) -> Pipeline:
+        if self.state is not PipelineState.NEW:
+            raise RuntimeError(f"a pipeline starts once (it is {self.state.value})")
+        self.state = PipelineState.STARTING
         await anyio.to_thread.run_sync(self._load)
-        self.preparation = Preparation(
-            self.config, self.checkpoint, self.encoder, metrics=self.metrics, tracer=self.tracer
+        self._preparation = Preparation(
+            self.config, self.checkpoint, self._encoder, metrics=self.metrics, tracer=self.tracer
         )
-        prep = self.preparation
-        # the stages, by name, for callers and tests that look inside
-        self.fetch, self.decode, self.template = prep.fetch, prep.decode, prep.template
-        self.vision, self.grammar = prep.vision, prep.grammar
-        self._tg = await anyio.create_task_group().__aenter__()
-        prep.start(self._tg)
-        if self.engine is not None:
-            await self.engine.start()
-        self._accepting = True
+        stack = self._stack
+        try:
+            # closed in reverse: the task group (stage workers, compiles) first, then the engine,
+            # then the stages' resources (HTTP session, inboxes)
+            stack.push_async_callback(_shielded, self._preparation.aclose)
+            if self._engine is not None:
+                await self._engine.start()
+                stack.push_async_callback(_shielded, self._engine.aclose)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(self._tg.cancel_scope.cancel)
+            self._preparation.start(self._tg)
+        except BaseException:
+            await self._close()
+            raise
+        self.state = PipelineState.ACCEPTING
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._accepting = False
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        with anyio.CancelScope(shield=True):
-            await self.preparation.aclose()
-            if self.engine is not None:
-                await self.engine.aclose()
+        await self._close()
+
+    async def _close(self) -> None:
+        self.state = PipelineState.DRAINING
+        await self._stack.aclose()  # the task group must exit in its own scope, so the closers shield themselves
+        self.state = PipelineState.STOPPED
 
     # -- admission ----------------------------------------------------------------------------
     def parse(self, body: Any) -> ChatRequest:
@@ -92,8 +163,8 @@ class Pipeline:
             max_model_len=cfg.max_model_len,
         )
 
-    def _admit(self, request: ChatRequest) -> Job:
-        if not self._accepting:
+    def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
+        if self.state is not PipelineState.ACCEPTING:
             raise ShuttingDown("the pipeline is not accepting requests", retry_after=self.config.retry_after_s)
         if self._pending >= self.config.max_pending_requests:
             self.metrics.outcomes["refused"] += 1
@@ -105,7 +176,7 @@ class Pipeline:
             )
         job = Job(request.request_id, PreparedRequest(request), on_leave=self._job_left)
         try:
-            self.preparation.stages[0].send.send_nowait(job)
+            self.preparation.admit(job)
         except anyio.WouldBlock:
             self.metrics.outcomes["refused"] += 1
             raise Overloaded(
@@ -114,16 +185,11 @@ class Pipeline:
         self._pending += 1
         if self.tracer is not None:
             self.tracer.instant("admitted", request.request_id, images=len(request.images))
-        assert self._tg is not None
-        if request.grammar is not None:
-            self._tg.start_soon(self.preparation.compile_grammar, job)
-        else:
-            job.payload.grammar_done.set()
         return job
 
-    def _job_left(self, job: Job) -> None:
+    def _job_left(self, job: Job[PreparedRequest]) -> None:
         self._pending -= 1
-        self.metrics.outcomes[job.outcome or "unknown"] += 1
+        self.metrics.outcomes[job.outcome.state.value] += 1
         if self._pending == 0:
             self._idle.set()
             self._idle = anyio.Event()
@@ -132,7 +198,7 @@ class Pipeline:
         """Return once no request is in the stages and no grammar compile is running."""
         if self._pending:
             await self._idle.wait()
-        await self.grammar.wait_idle()
+        await self.preparation.grammar.wait_idle()
 
     @property
     def num_pending(self) -> int:
@@ -153,18 +219,18 @@ class Pipeline:
 
         :raises InvalidRequest: for a malformed body. :raises Overloaded: when the pipeline is full.
         """
-        if self.engine is None:
-            raise RuntimeError("this Pipeline was built with_engine=False")
+        engine = self.engine
         if not isinstance(request, ChatRequest):
             request = self.parse(request)
         job = self._admit(request)
-        handle = RequestHandle(request, self.engine, self.metrics, tracer=self.tracer)
+        handle = RequestHandle(request, engine, self.metrics, tracer=self.tracer)
         self._handles.add(handle)
-        assert self._tg is not None
+        if self._tg is None:  # admitted above, so started: only a bug gets here
+            raise RuntimeError("the pipeline has no task group")
         self._tg.start_soon(self._run_handle, handle, job)
         return handle
 
-    async def _run_handle(self, handle: RequestHandle, job: Job) -> None:
+    async def _run_handle(self, handle: RequestHandle, job: Job[PreparedRequest]) -> None:
         try:
             await handle.run(self.preparation.engine_input(job))
         finally:
@@ -172,7 +238,8 @@ class Pipeline:
 
     def stop_accepting(self) -> None:
         """New requests are refused with 503 from now on; those admitted go on."""
-        self._accepting = False
+        if self.state is PipelineState.ACCEPTING:
+            self.state = PipelineState.DRAINING
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running."""
@@ -185,8 +252,18 @@ class Pipeline:
         return False
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok" if self._accepting else "stopping", "pending": self._pending}
+        status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"
+        return {"status": status, "pending": self._pending}
 
-    @property
-    def model_name(self) -> str:
-        return self.checkpoint.model_name
+    def resources(self) -> Resources:
+        """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""
+        prep = self.preparation
+        return Resources(
+            pending_requests=self._pending,
+            running_requests=len(self._handles),
+            grammar_compiles=prep.grammar.num_compiling,
+            limiter_tokens={name: int(limiter.borrowed_tokens) for name, limiter in prep.limiters().items()},
+            queued={stage.name: stage.queue_depth() for stage in prep.stages} | prep.side_queues(),
+            in_flight={name: stage.in_flight for name, stage in self.metrics.stages.items()},
+            engine=self._engine.resources() if self._engine is not None else {},
+        )

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +22,7 @@ from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest
 from pipeline.staged import Job, StageWorkers, run_each
 from pipeline.trace import Tracer
+from pipeline.types import Outcome
 from sampling.inputs import EngineInput
 from stages.decode import DecodeStage
 from stages.fetch import FetchStage
@@ -33,6 +35,8 @@ from vision.preprocess import ImageTokenIds, PreparedImage, preprocess_image
 
 __all__ = ["Preparation", "PreparedRequest"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class PreparedRequest:
@@ -43,9 +47,7 @@ class PreparedRequest:
     images: list[PreparedImage] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None
-    grammar: Any | None = None
-    grammar_done: anyio.Event = field(default_factory=anyio.Event)
-    grammar_error: PipelineError | None = None
+    grammar: Outcome[Any] = field(default_factory=Outcome)  # the compiled grammar (None: unconstrained)
 
 
 class Preparation:
@@ -67,9 +69,21 @@ class Preparation:
         self.image_token_id = checkpoint.image_token_id if checkpoint.image_token_id is not None else -1
         processor = checkpoint.image_processor
         longest = (getattr(processor, "size", None) or {}).get("longest_edge") if processor else None
-        self.fetch = FetchStage(cfg)
+        self.fetch = FetchStage(
+            max_bytes=cfg.max_image_bytes,
+            concurrency=cfg.fetch_concurrency,
+            connect_timeout_s=cfg.fetch_connect_timeout_s,
+            total_timeout_s=cfg.fetch_total_timeout_s,
+            max_redirects=cfg.max_redirects,
+            allow_private=cfg.allow_private_networks,
+            media_root=cfg.media_root,
+        )
         self.decode = DecodeStage(
-            cfg, target_longest_edge=longest, transform=partial(preprocess_image, processor) if processor else None
+            max_pixels=cfg.max_image_pixels,
+            threads=cfg.decode_threads,
+            inline=cfg.inline_preparation,
+            target_longest_edge=longest,
+            transform=partial(preprocess_image, processor) if processor else None,
         )
         self.template = TemplateStage(
             tokenizer,
@@ -90,17 +104,54 @@ class Preparation:
             if encoder is not None
             else None
         )
-        self.grammar = GrammarStage(cfg, checkpoint.tokenizer_info)
+        self.grammar = GrammarStage(
+            checkpoint.tokenizer_info,
+            any_whitespace=cfg.json_any_whitespace,
+            timeout_s=cfg.grammar_compile_timeout_s,
+            cache_size=cfg.grammar_cache_size,
+            max_concurrent=cfg.grammar_max_concurrent_compiles,
+        )
         metrics.grammar_cache_hits = lambda: self.grammar.stats.hits
         metrics.grammar_cache_misses = lambda: self.grammar.stats.misses
         self.stages = self._build_stages()
+        self._tg: TaskGroup | None = None
+
+    def admit(self, job: Job[PreparedRequest]) -> None:
+        """Put ``job`` into the first stage and start its grammar compile beside the stages.
+
+        :raises anyio.WouldBlock: the first stage's inbox is full (nothing was started).
+        """
+        assert self._tg is not None, "start() first"
+        self.stages[0].offer(job)
+        if job.payload.request.grammar is not None:
+            self._tg.start_soon(self._compile_grammar, job)
+        else:
+            job.payload.grammar.set_result(None)
 
     def start(self, tg: TaskGroup) -> None:
+        self._tg = tg
         self.grammar.attach(tg)
         for stage in self.stages:
             stage.start(tg)
         if self.vision is not None:
             tg.start_soon(self.vision.run_batcher)
+
+    def limiters(self) -> dict[str, anyio.CapacityLimiter]:
+        """Every stage's limiter by stage name (borrowed tokens: threads or slots in use)."""
+        limiters = {
+            "fetch": self.fetch.limiter,
+            "fetch_base64": self.fetch.base64_limiter,
+            "decode": self.decode.limiter,
+            "template": self.template.limiter,
+            "grammar": self.grammar.limiter,
+        }
+        if self.vision is not None:
+            limiters["vision"] = self.vision.limiter
+        return limiters
+
+    def side_queues(self) -> dict[str, int]:
+        """Items waiting outside the stage inboxes (the vision batcher's queue)."""
+        return {"vision_batcher": self.vision.queue_depth} if self.vision is not None else {}
 
     async def aclose(self) -> None:
         for stage in self.stages:
@@ -133,8 +184,8 @@ class Preparation:
         return stages
 
     # -- the stage steps ------------------------------------------------------------------------
-    async def _fetch_step(self, job: Job) -> None:
-        prep: PreparedRequest = job.payload
+    async def _fetch_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
         images = prep.request.images
         results: list[bytes] = [b""] * len(images)
 
@@ -144,8 +195,8 @@ class Preparation:
         await run_each(fetch_one, len(images))
         prep.image_bytes = results
 
-    async def _decode_step(self, job: Job) -> None:
-        prep: PreparedRequest = job.payload
+    async def _decode_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
         fields = [im.field for im in prep.request.images]
         prepared: list[PreparedImage | None] = [None] * len(fields)
 
@@ -156,55 +207,56 @@ class Preparation:
         prep.image_bytes = []  # the encoded bytes are no longer needed: free them early
         prep.images = [p for p in prepared if p is not None]
 
-    async def _template_step(self, job: Job) -> None:
-        prep: PreparedRequest = job.payload
+    async def _template_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
         prep.prompt_ids = await self.template.run(prep.request.messages, prep.images)
 
-    async def _vision_step(self, job: Job) -> None:
-        prep: PreparedRequest = job.payload
+    async def _vision_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
         if prep.images:
             if self.vision is None:
                 raise InvalidRequest("this model takes no images", field="messages")
             prep.image_embeds = await self.vision.run(prep.images)
         prep.images = []
 
-    async def compile_grammar(self, job: Job) -> None:
+    async def _compile_grammar(self, job: Job[PreparedRequest]) -> None:
         """Runs beside the stages from admission on; a bad grammar fails the request at once."""
-        prep: PreparedRequest = job.payload
+        prep = job.payload
+        spec = prep.request.grammar
+        assert spec is not None
         started = time.perf_counter()
         try:
-            assert prep.request.grammar is not None
-            prep.grammar = await self.grammar.compile(prep.request.grammar, request_id=job.request_id)
+            prep.grammar.set_result(await self.grammar.compile(spec, request_id=job.request_id))
         except PipelineError as exc:
-            prep.grammar_error = exc.bind(stage="grammar", request_id=job.request_id)
-            job.fail(prep.grammar_error)
+            prep.grammar.fail(exc.bind(stage="grammar", request_id=job.request_id))
         except Exception as exc:  # a bug must fail this request, not the pipeline's task group
-            prep.grammar_error = PipelineError(f"internal error: {exc!r}", stage="grammar", request_id=job.request_id)
-            job.fail(prep.grammar_error)
+            logger.exception("request %s: unexpected error compiling its grammar", job.request_id)
+            prep.grammar.fail(
+                PipelineError(f"internal error ({type(exc).__name__})", stage="grammar", request_id=job.request_id)
+            )
         finally:
             ended = time.perf_counter()
             job.timings["grammar"] = ended - started
             if self.tracer is not None:
                 self.tracer.span("grammar compile", "grammar", job.request_id, started, ended)
-            prep.grammar_done.set()
+            if prep.grammar.error is not None:
+                job.fail(prep.grammar.error)  # type: ignore[arg-type]
 
-    async def engine_input(self, job: Job) -> EngineInput:
+    async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
         """Wait for ``job`` to leave the last stage, join its grammar, and wrap it for the engine.
 
         :raises PipelineError: the error the job ended with. A cancelled caller cancels the job.
         """
-        prep: PreparedRequest = job.payload
+        prep = job.payload
         try:
-            await job.done.wait()
+            await job.wait()
             if job.error is None:
-                await prep.grammar_done.wait()
+                await prep.grammar.wait()
         except BaseException:
             job.cancel()
             raise
         if job.error is not None:
             raise job.error
-        if prep.grammar_error is not None:
-            raise prep.grammar_error
         request = prep.request
         return EngineInput(
             request_id=request.request_id,
@@ -212,6 +264,6 @@ class Preparation:
             image_token_id=self.image_token_id,
             image_embeds=prep.image_embeds,
             sampling=request.sampling,
-            grammar=prep.grammar,
+            grammar=prep.grammar.get(),
             timings=dict(job.timings),
         )

@@ -10,10 +10,10 @@ the thread returns), so a cancellation storm cannot pile up thread work.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -22,54 +22,64 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from pipeline.errors import PipelineError, RequestCancelled
 from pipeline.metrics import StageMetrics
 from pipeline.trace import Tracer
+from pipeline.types import Outcome
+
+logger = logging.getLogger(__name__)
+P = TypeVar("P")
 
 __all__ = ["Job", "StageWorkers", "run_each"]
 
 
-@dataclass(eq=False)
-class Job:
-    """One request on its way through the stages; ends in exactly one outcome."""
+class Job(Generic[P]):
+    """One request on its way through the stages; ends in exactly one outcome.
 
-    request_id: str
-    payload: Any  # the stage steps read and fill its fields
-    done: anyio.Event = field(default_factory=anyio.Event)
-    outcome: str | None = None  # "completed" | "failed" | "cancelled"
-    error: PipelineError | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    _scope: anyio.CancelScope | None = None
-    enqueued_at: float = field(default_factory=time.perf_counter)  # when it entered its current inbox
-    on_leave: Callable[[Job], None] | None = None  # called once, when no stage holds the job any more
+    ``payload`` is what the stage steps read and fill in. The first of ``complete``/``fail``/
+    ``cancel`` wins; failing or cancelling also cancels the step working on the job.
+    """
+
+    def __init__(self, request_id: str, payload: P, *, on_leave: Callable[[Job[P]], None] | None = None) -> None:
+        self.request_id = request_id
+        self.payload = payload
+        self.outcome: Outcome[None] = Outcome()
+        self.timings: dict[str, float] = {}
+        self.enqueued_at = time.perf_counter()  # when it entered its current inbox
+        self._on_leave = on_leave  # called once, when no stage holds the job any more
+        self._scope: anyio.CancelScope | None = None
 
     @property
     def is_over(self) -> bool:
-        return self.outcome is not None
+        return self.outcome.is_done
 
-    def _end(self, outcome: str, error: PipelineError | None = None) -> None:
-        if self.outcome is None:
-            self.outcome, self.error = outcome, error
-            self.done.set()
+    @property
+    def error(self) -> PipelineError | None:
+        error = self.outcome.error
+        assert error is None or isinstance(error, PipelineError)
+        return error
+
+    async def wait(self) -> None:
+        """Return once the job has an outcome (it may still be leaving a stage)."""
+        await self.outcome.wait()
 
     def complete(self) -> None:
-        self._end("completed")
+        self.outcome.set_result(None)
 
     def fail(self, error: PipelineError) -> None:
-        self._end("failed", error)
-        if self._scope is not None:
+        if self.outcome.fail(error) and self._scope is not None:
             self._scope.cancel()
 
     def cancel(self) -> None:
         """Called by the requester: the stage working on the job stops at its next await."""
-        self._end("cancelled", RequestCancelled("the request was cancelled", request_id=self.request_id))
-        if self._scope is not None:
+        error = RequestCancelled("the request was cancelled", request_id=self.request_id)
+        if self.outcome.cancel(error) and self._scope is not None:
             self._scope.cancel()
 
     def leave(self) -> None:
-        if self.on_leave is not None:
-            callback, self.on_leave = self.on_leave, None
+        if self._on_leave is not None:
+            callback, self._on_leave = self._on_leave, None
             callback(self)
 
 
-Step = Callable[[Job], Awaitable[None]]
+Step = Callable[[Job[Any]], Awaitable[None]]
 
 
 async def run_each(fn: Callable[[int], Coroutine[Any, Any, None]], count: int) -> None:
@@ -110,11 +120,16 @@ class StageWorkers:
         self.step = step
         self.num_workers = num_workers
         self.metrics = metrics
-        self.send: MemoryObjectSendStream[Job]
-        self._receive: MemoryObjectReceiveStream[Job]
-        self.send, self._receive = anyio.create_memory_object_stream[Job](queue_size)
+        self.send: MemoryObjectSendStream[Job[Any]]
+        self._receive: MemoryObjectReceiveStream[Job[Any]]
+        self.send, self._receive = anyio.create_memory_object_stream[Job[Any]](queue_size)
         self.next: StageWorkers | None = None
         metrics.queue_depth = self.queue_depth
+
+    def offer(self, job: Job[Any]) -> None:
+        """Put ``job`` in the inbox without waiting. :raises anyio.WouldBlock: the inbox is full."""
+        job.enqueued_at = time.perf_counter()
+        self.send.send_nowait(job)
 
     def queue_depth(self) -> int:
         return self.send.statistics().current_buffer_used
@@ -124,12 +139,12 @@ class StageWorkers:
             tg.start_soon(self._worker, self._receive.clone())
         self._receive.close()  # the clones keep the stream open
 
-    async def _worker(self, inbox: MemoryObjectReceiveStream[Job]) -> None:
+    async def _worker(self, inbox: MemoryObjectReceiveStream[Job[Any]]) -> None:
         async with inbox:
             async for job in inbox:
                 await self._process(job)
 
-    async def _process(self, job: Job) -> None:
+    async def _process(self, job: Job[Any]) -> None:
         if job.is_over:  # cancelled or failed while queued: leaves at this boundary
             job.leave()
             return
@@ -144,9 +159,12 @@ class StageWorkers:
         except PipelineError as exc:
             self.metrics.errors[type(exc).__name__] += 1
             job.fail(exc.bind(stage=self.name, request_id=job.request_id))
-        except Exception as exc:  # a bug in a stage: a 500 for this request only
+        except Exception as exc:  # a bug in a stage: a 500 for this request only, logged with its traceback
+            logger.exception("request %s: unexpected error in stage %s", job.request_id, self.name)
             self.metrics.errors[type(exc).__name__] += 1
-            job.fail(PipelineError(f"internal error: {exc!r}", stage=self.name, request_id=job.request_id))
+            job.fail(
+                PipelineError(f"internal error ({type(exc).__name__})", stage=self.name, request_id=job.request_id)
+            )
         finally:
             job._scope = None
             self.metrics.in_flight -= 1
@@ -154,7 +172,7 @@ class StageWorkers:
             elapsed = ended - started
             self.metrics.latency.observe(elapsed)
             if self.tracer is not None:
-                self.tracer.span(self.name, "stage", job.request_id, started, ended, outcome=job.outcome or "ok")
+                self.tracer.span(self.name, "stage", job.request_id, started, ended, outcome=job.outcome.state.value)
             job.timings[self.name] = job.timings.get(self.name, 0.0) + elapsed
         if job.is_over:
             job.leave()

@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"]
 
 
 # -- errors ---------------------------------------------------------------------------------------

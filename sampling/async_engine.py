@@ -1,8 +1,12 @@
 """AsyncEngine: the engine's step loop on its own thread, talking to the event loop through queues.
 
-Commands (add, abort, stop) go in through a bounded thread-safe queue; each step's outputs come back
-in one ``call_soon_threadsafe`` per step (not one per token), so the event loop does bookkeeping only.
-The loop is asyncio's: the server (aiohttp) runs on asyncio.
+Commands (``Add``, ``Barrier``, ``Stop``) go in through a bounded thread-safe queue. Aborts do not:
+they go into a lock-protected set that the step loop drains before every step, so an abort never
+blocks and never waits for room (a cancellation storm of hundreds of aborts costs a set insertion
+each). An abort that overtakes its own ``Add`` in the queue marks the ``Add``, which is then
+skipped. Each step's outputs come back in one ``call_soon_threadsafe`` per step (not one per
+token), so the event loop does bookkeeping only. The loop is asyncio's: the server (aiohttp) runs
+on asyncio.
 """
 
 from __future__ import annotations
@@ -10,64 +14,75 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from pipeline.types import Overloaded, PipelineError
+from pipeline.types import Mailbox
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 
-__all__ = ["AsyncEngine", "OutputStream"]
-
-_STOP = object()
+__all__ = ["Add", "AsyncEngine", "Barrier", "EngineQueueFull", "OutputStream", "Stop"]
 
 
-@dataclass(eq=False)
+class EngineQueueFull(Exception):
+    """The engine's command queue is full; the caller (the pipeline) turns this into ``Overloaded``."""
+
+
+@dataclass(slots=True)
+class Add:
+    inp: EngineInput
+    is_aborted: bool = False  # set on the event loop by an abort that comes before the add is handled
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    """Set ``reached`` (on the event loop) once every command queued before it has been handled."""
+
+    reached: anyio.Event
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Add | Barrier | Stop
+
+
 class OutputStream:
-    """Outputs of one request, in order; ends when all ``n`` sequences have finished."""
+    """Outputs of one request in order; ends when all ``n`` of its sequences have finished."""
 
-    request_id: str
-    n: int
-    _items: deque[SeqOutput] = field(default_factory=deque)
-    _wakeup: anyio.Event = field(default_factory=anyio.Event)
-    _finished: int = 0
-    error: PipelineError | None = None
+    def __init__(self, add: Add, n: int) -> None:
+        self.add = add
+        self.request_id = add.inp.request_id
+        self.n = n
+        self._mailbox: Mailbox[SeqOutput] = Mailbox()
+        self._num_finished = 0
 
     def push(self, output: SeqOutput) -> None:
-        self._items.append(output)
+        self._mailbox.put(output)
         if output.finish_reason is not None:
-            self._finished += 1
-        self._wakeup.set()
-
-    def fail(self, error: PipelineError) -> None:
-        self.error = error
-        self._finished = self.n
-        self._wakeup.set()
+            self._num_finished += 1
+            if self._num_finished >= self.n:
+                self._mailbox.close()
 
     @property
     def is_finished(self) -> bool:
-        return self._finished >= self.n
+        return self._mailbox.is_closed
 
-    async def __aiter__(self) -> AsyncIterator[SeqOutput]:
-        while True:
-            while self._items:
-                yield self._items.popleft()
-            if self.error is not None:
-                raise self.error
-            if self.is_finished:
-                return
-            self._wakeup = anyio.Event()
-            await self._wakeup.wait()
+    def __aiter__(self) -> AsyncIterator[SeqOutput]:
+        return aiter(self._mailbox)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, queue_size: int) -> None:
         self.engine = engine
-        self._commands: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._commands: queue.Queue[Command] = queue.Queue(maxsize=queue_size)
+        self._aborts: set[str] = set()
+        self._aborts_lock = threading.Lock()
         self._streams: dict[str, OutputStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,83 +96,99 @@ class AsyncEngine:
     async def aclose(self) -> None:
         if self._thread is None:
             return
-        self._commands.put(_STOP)  # may wait for room: the loop drains the queue every step
+        await anyio.to_thread.run_sync(self._commands.put, Stop())  # waits for room: the loop drains every step
         await anyio.to_thread.run_sync(self._thread.join)
         self._thread = None
 
     def submit(self, inp: EngineInput) -> OutputStream:
         """Queue ``inp``; its outputs arrive on the returned stream.
 
-        :raises Overloaded: when the engine's command queue is full.
+        :raises EngineQueueFull: when the command queue is full.
         """
-        stream = OutputStream(inp.request_id, inp.sampling.n)
+        add = Add(inp)
+        stream = OutputStream(add, inp.sampling.n)
         try:
-            self._commands.put_nowait(("add", inp))
+            self._commands.put_nowait(add)
         except queue.Full:
-            raise Overloaded("the decode engine's queue is full", stage="engine") from None
+            raise EngineQueueFull("the decode engine's queue is full") from None
         self._streams[inp.request_id] = stream
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Free the request's sequences at the next step (never blocks the loop)."""
-        if self._streams.pop(request_id, None) is None:
+        """Free the request's sequences before the next step (never blocks, never starts a thread)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
             return
-        try:
-            self._commands.put_nowait(("abort", request_id))
-        except queue.Full:  # an abort frees capacity, so it must not be lost: hand it to a thread
-            threading.Thread(target=self._commands.put, args=(("abort", request_id),), daemon=True).start()
+        stream.add.is_aborted = True  # not yet handled: the engine thread skips it
+        with self._aborts_lock:
+            self._aborts.add(request_id)  # already in the engine: freed before the next step
 
     async def barrier(self) -> None:
-        """Return once the engine thread has handled every command queued before this call."""
-        done = anyio.Event()
-        await anyio.to_thread.run_sync(self._commands.put, ("barrier", done))
-        await done.wait()
+        """Return once the engine thread has handled every command (and abort) queued before this call."""
+        reached = anyio.Event()
+        await anyio.to_thread.run_sync(self._commands.put, Barrier(reached))
+        await reached.wait()
 
     @property
     def num_running(self) -> int:
         return len(self._streams)
 
+    def resources(self) -> dict[str, int]:
+        """What the engine holds now (a snapshot for tests and metrics; read from another thread, so
+        a step in progress may be half counted)."""
+        allocator = self.engine.scheduler.allocator
+        return {
+            "engine_requests": self.engine.num_requests,
+            "engine_streams": len(self._streams),
+            "kv_blocks_used": allocator.num_blocks - allocator.num_free,
+        }
+
     # -- on the engine thread ----------------------------------------------------------------
-    def _handle(self, command: Any) -> bool:
-        if command is _STOP:
+    def _drain_aborts(self) -> None:
+        with self._aborts_lock:
+            aborts, self._aborts = self._aborts, set()
+        for request_id in aborts:
+            self.engine.abort(request_id)  # a no-op for a request that finished or was never added
+
+    def _handle(self, command: Command) -> bool:
+        """Apply one command; False for ``Stop``."""
+        if isinstance(command, Stop):
             return False
-        kind: str
-        arg: Any
-        kind, arg = command  # ("add", EngineInput) | ("abort", request_id)
-        if kind == "add":
-            self.engine.add(arg)
-        elif kind == "abort":
-            self.engine.abort(arg)
-        elif kind == "barrier":
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(arg.set)
+        if isinstance(command, Add):
+            if not command.is_aborted:
+                self.engine.add(command.inp)
+        elif isinstance(command, Barrier):
+            self._drain_aborts()
+            self._call_on_loop(command.reached.set)
         return True
 
+    def _next_command(self, block: bool) -> Command | None:
+        # Idle, the loop sleeps on the queue: an abort then has nothing in the engine to free (an Add
+        # still queued is marked instead), so it need not wake the loop.
+        try:
+            return self._commands.get(block=block)
+        except queue.Empty:
+            return None
+
     def _run(self) -> None:
-        running = True
-        while running:
-            try:
-                block = not self.engine.has_work()
-                while True:
-                    command = self._commands.get(block=block)
-                    block = False
-                    if not self._handle(command):
-                        running = False
-                        break
-            except queue.Empty:
-                pass
-            if not running:
-                break
+        while True:
+            command = self._next_command(block=not self.engine.has_work())
+            while command is not None:
+                if not self._handle(command):
+                    return
+                command = self._next_command(block=False)
+            self._drain_aborts()
+            if not self.engine.has_work():
+                continue
             outputs = self.engine.step()
             self.num_steps += 1
             if outputs:
-                self._deliver_threadsafe(outputs)
+                self._call_on_loop(self._deliver, outputs)
 
-    def _deliver_threadsafe(self, outputs: list[SeqOutput]) -> None:
+    def _call_on_loop(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
-        deliver: Callable[[list[SeqOutput]], None] = self._deliver
         try:
-            self._loop.call_soon_threadsafe(deliver, outputs)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop has closed: nobody is listening any more
             pass
 

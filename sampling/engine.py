@@ -1,9 +1,9 @@
 """LLMEngine: continuous batching with xgrammar-guided sampling; ``step()`` reads as three verbs.
 
-``step()`` = ``schedule()``, ``run()`` and ``postprocess()``. In ``run()`` the fill thread fills the
-grammar bitmask for the step while the calling thread runs the forward pass (on CUDA: queues its
-kernels); then the mask is applied to the guided rows, tokens are sampled, copied back and accepted
-by the matchers in one batched call.
+``step()`` = ``schedule()``, ``launch()``, ``sample()`` and ``commit()``. In ``launch()`` the fill thread
+fills the grammar bitmask for the step while the calling thread runs the forward pass (on CUDA: queues
+its kernels); ``sample()`` applies the mask to the guided rows, samples and copies the tokens back;
+``commit()`` accepts them into the matchers in one batched call and advances the sequences.
 
 Every torch op of a step runs on the calling thread, the fill thread runs only xgrammar: torch's
 OpenMP pool belongs to the thread that calls it, and a forward on one thread beside sampling on
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,8 @@ from sampling.sequence import SeqState, Sequence
 from sampling.stop import StopChecker
 
 __all__ = ["LLMEngine", "StepTiming"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -71,6 +74,7 @@ class LLMEngine:
         max_running: int = 32,
         chunk_tokens: int = 2048,
         record_timeline: bool = False,
+        tracer: Any = None,
     ) -> None:
         self.runner = runner
         self.token_bytes = token_bytes
@@ -89,7 +93,7 @@ class LLMEngine:
         self.record_timeline = record_timeline
         self.lazy_mask = True  # skip the mask for greedy rows whose choice the grammar allows (exact)
         self.timeline: list[StepTiming] = []
-        self.tracer: Any = None  # pipeline.trace.Tracer: one span per step on the engine track
+        self.tracer = tracer  # anything with pipeline.trace.Tracer's span(): one span per step
 
     # -- requests ---------------------------------------------------------------------------
     def _new_seq(self, inp: EngineInput, index: int, num_siblings: int = 1) -> Sequence:
@@ -139,16 +143,21 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[SeqOutput]:
         """Run one scheduled step; the outputs of every sequence that produced a token."""
-        scheduled = self.scheduler.schedule()
-        refused = self._fail_unfit()
+        schedule = self.scheduler.schedule()
+        refused = self._fail_unfit(schedule.unfit)
+        scheduled = schedule.step
         if scheduled is None:
             return refused
         timing = StepTiming("prefill" if isinstance(scheduled, PrefillStep) else "decode", 0)
         started = time.perf_counter()
         try:
-            seqs, tokens, accepted = self._run(scheduled, timing)
-            outputs = self._postprocess(seqs, tokens, accepted, timing) if seqs else []
+            seqs, logits, filled = self._launch(scheduled, timing)
+            outputs: list[SeqOutput] = []
+            if seqs:
+                tokens, accepted = self._sample(seqs, logits, filled, timing)
+                outputs = self._commit(seqs, tokens, accepted, timing)
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
+            logger.exception("engine step failed; failing the step's sequences")
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
             return refused + [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
         ended = time.perf_counter()
@@ -170,8 +179,7 @@ class LLMEngine:
             )
         return outputs
 
-    def _fail_unfit(self) -> list[SeqOutput]:
-        unfit, self.scheduler.unfit = self.scheduler.unfit, []
+    def _fail_unfit(self, unfit: list[Sequence]) -> list[SeqOutput]:
         total = self.scheduler.allocator.num_blocks * self.runner.block_size
         message = f"the sequence needs more KV cache than the whole cache holds ({total} tokens)"
         return [out for seq in unfit for out in self._fail(seq, message)]
@@ -180,8 +188,12 @@ class LLMEngine:
         if seq.grammar is not None and seq.matcher is None:
             seq.matcher = new_matcher(seq.grammar, seq.output_ids)
 
-    def _run(self, step: PrefillStep | DecodeStep, timing: StepTiming) -> tuple[list[Sequence], list[int], set[int]]:
-        """The step's sequences, their sampled tokens and the rows whose matchers already accepted them."""
+    def _launch(
+        self, step: PrefillStep | DecodeStep, timing: StepTiming
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[int]]:
+        """Run the step's forward with the bitmask fill beside it: the sequences that sample this
+        step (none for a prefill chunk that is not the last), their logits ``[B, vocab]`` and the
+        bitmask rows filled."""
         runner = self.runner
         if isinstance(step, PrefillStep):
             seq = step.seq
@@ -191,7 +203,7 @@ class LLMEngine:
             if not step.is_last_chunk:
                 self._timed(timing, forward)
                 seq.num_computed = step.end
-                return [], [], set()
+                return [], None, []
             seqs = [seq]
         else:
             seqs = step.seqs
@@ -225,7 +237,7 @@ class LLMEngine:
             for s in seqs:
                 s.num_computed = s.num_tokens
         timing.batch = len(seqs)
-        return seqs, *self._sample(seqs, logits, filled, timing)
+        return seqs, logits, filled
 
     def _fill(self, seqs: list[Sequence], defer_greedy: bool, timing: StepTiming) -> list[int]:
         """On the fill thread: build missing matchers and fill the step's bitmask rows (but those of
@@ -247,8 +259,8 @@ class LLMEngine:
             self.scheduler.fork(parent, child)
             self.runner.copy_blocks(parent.block_table, child.block_table)
             self._ensure_matcher(child)
-            if child.matcher is not None:  # a fresh matcher's mask equals the parent's row 0
-                self.guided.host_bitmask[child.index] = self.guided.host_bitmask[0]
+            if child.matcher is not None:  # a fresh matcher's mask equals the parent's (row 0)
+                self.guided.copy_row(0, child.index)
         parent.has_forked = True
         request.seqs += children
         return [parent, *children]
@@ -262,9 +274,11 @@ class LLMEngine:
         return out
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, filled: list[int], timing: StepTiming
+        self, seqs: list[Sequence], logits: torch.Tensor | None, filled: list[int], timing: StepTiming
     ) -> tuple[list[int], set[int]]:
-        """Tokens of the rows, and the rows whose matchers accepted theirs already."""
+        """Mask, sample and copy back: the tokens of the rows, and the rows whose matchers accepted
+        theirs already (the lazy greedy path)."""
+        assert logits is not None
         t0 = time.perf_counter()
         no_eos = [row for row, s in enumerate(seqs) if s.params.ignore_eos and s.matcher is None]
         if no_eos and self.eos_token_ids:
@@ -325,9 +339,10 @@ class LLMEngine:
                 greedy[r] = choice
         return greedy, accepted, masked
 
-    def _postprocess(
+    def _commit(
         self, seqs: list[Sequence], tokens: list[int], accepted_rows: set[int], timing: StepTiming
     ) -> list[SeqOutput]:
+        """Accept the tokens into the matchers, detokenize, check stop conditions, finish sequences."""
         t0 = time.perf_counter()
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None and i not in accepted_rows]
         accepted = dict(

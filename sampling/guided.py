@@ -99,6 +99,10 @@ class GuidedDecoder:
             return None
         return int(ids[logits[row, ids].argmax()])
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Bitmask row ``dst`` becomes row ``src`` (a forked sequence starts where its parent is)."""
+        self.host_bitmask[dst] = self.host_bitmask[src]
+
     def allows(self, row: int, token: int) -> bool:
         """Whether the filled bitmask row ``row`` allows ``token`` (one bit test on the host)."""
         return bool((int(self.host_bitmask[row, token >> 5]) >> (token & 31)) & 1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sampling.kv_cache import BlockAllocator, blocks_needed
 from sampling.sequence import SeqState, Sequence
 
-__all__ = ["DecodeStep", "PrefillStep", "Scheduler"]
+__all__ = ["DecodeStep", "PrefillStep", "Schedule", "Scheduler"]
 
 
 @dataclass(slots=True)
@@ -33,6 +33,15 @@ class DecodeStep:
     seqs: list[Sequence]
 
 
+@dataclass(slots=True)
+class Schedule:
+    """What ``schedule()`` decided: the step to run (None: nothing can run now), and the sequences
+    that can never fit in the cache, released already, for the engine to fail."""
+
+    step: PrefillStep | DecodeStep | None
+    unfit: list[Sequence]
+
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, block_size: int, max_running: int, chunk_tokens: int) -> None:
         self.allocator = allocator
@@ -41,7 +50,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.unfit: list[Sequence] = []  # can never fit in the cache: the engine fails them
+        self._unfit: list[Sequence] = []  # found by this schedule() call; handed back with its result
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
@@ -80,7 +89,7 @@ class Scheduler:
         # the whole prompt plus one decode token, for the sequence and each child it will fork into
         need = blocks_needed(seq.num_tokens + 1, self.block_size) * self._num_copies(seq)
         if need > self.allocator.num_blocks:  # waiting would never help
-            self.unfit.append(self.waiting.popleft())
+            self._unfit.append(self.waiting.popleft())
             return self._admit()
         if need > self.allocator.num_free:
             return None
@@ -89,7 +98,13 @@ class Scheduler:
         self.running.append(seq)
         return seq
 
-    def schedule(self) -> PrefillStep | DecodeStep | None:
+    def schedule(self) -> Schedule:
+        """The next step, and the sequences found unfit on the way."""
+        step = self._next_step()
+        unfit, self._unfit = self._unfit, []
+        return Schedule(step, unfit)
+
+    def _next_step(self) -> PrefillStep | DecodeStep | None:
         prefilling = next((s for s in self.running if s.is_prefilling), None)
         decoding = [s for s in self.running if not s.is_prefilling]
         want_prefill = prefilling is not None or bool(self.waiting)
@@ -135,7 +150,7 @@ class Scheduler:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:  # alone and still out of room
                     self.release(seq)
-                    self.unfit.append(seq)
+                    self._unfit.append(seq)
                     decoding.remove(seq)
                     break
                 self._preempt(victim)

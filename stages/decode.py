@@ -8,7 +8,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from pipeline.config import PipelineConfig
 from pipeline.types import PipelineError
 from stages.offload import Offload
 from vision.image_io import decode_image
@@ -21,15 +20,17 @@ class DecodeStage:
 
     def __init__(
         self,
-        config: PipelineConfig,
         *,
+        max_pixels: int = 40_000_000,
+        threads: int = 2,
+        inline: bool = False,
         target_longest_edge: int | None = None,
         transform: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.max_pixels = config.max_image_pixels
+        self.max_pixels = max_pixels  # decompression-bomb guard, checked from the header
         self.target_longest_edge = target_longest_edge  # JPEG draft mode decodes no smaller than this
         self.transform = transform  # e.g. the model's preprocessing, done in the same thread hop
-        self.offload = Offload(anyio.CapacityLimiter(config.decode_threads), inline=config.inline_preparation)
+        self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
 
     def _decode(self, data: bytes, field: str) -> Any:

@@ -20,7 +20,6 @@ import aiohttp
 import anyio
 from yarl import URL
 
-from pipeline.config import PipelineConfig
 from pipeline.types import DeadlineExceeded, ImageFetchError, PayloadTooLarge
 from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, Resolver, SystemResolver
 
@@ -40,30 +39,45 @@ def _shown(url: str) -> str:
 
 
 class FetchStage:
-    """Fetches the bytes of image URLs, within the limits of ``config``."""
+    """Fetches the bytes of image URLs within its limits: ``max_bytes`` per image, ``concurrency``
+    fetches at once, a connect timeout and one total deadline per image (every redirect hop included),
+    ``max_redirects`` hops, private addresses only when ``allow_private``, local files only under
+    ``media_root``."""
 
     name = "fetch"
 
     def __init__(
-        self, config: PipelineConfig, *, resolver: Resolver | None = None, policy: AddressPolicy | None = None
+        self,
+        *,
+        max_bytes: int = 20 * 1024 * 1024,
+        concurrency: int = 32,
+        connect_timeout_s: float = 5.0,
+        total_timeout_s: float = 20.0,
+        max_redirects: int = 3,
+        allow_private: bool = False,
+        media_root: str | None = None,
+        resolver: Resolver | None = None,
+        policy: AddressPolicy | None = None,
     ) -> None:
-        self.config = config
-        self.max_bytes = config.max_image_bytes
-        self.limiter = anyio.CapacityLimiter(config.fetch_concurrency)
+        self.max_bytes = max_bytes
+        self.concurrency = concurrency
+        self.connect_timeout_s = connect_timeout_s
+        self.total_timeout_s = total_timeout_s
+        self.max_redirects = max_redirects
+        self.media_root = media_root
+        self.limiter = anyio.CapacityLimiter(concurrency)
         # base64 decoding holds the GIL for its whole call (~1 ms per 400 KB): one thread at a time,
         # so a burst of data URLs cannot crowd the event loop out of the interpreter
         self.base64_limiter = anyio.CapacityLimiter(1)
-        self.policy = policy or AddressPolicy(allow_private=config.allow_private_networks)
+        self.policy = policy or AddressPolicy(allow_private=allow_private)
         self._resolver = PinnedResolver(resolver or SystemResolver(), self.policy)
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         """Create the shared HTTP session (``run`` does so on first use otherwise)."""
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(resolver=self._resolver, limit=self.config.fetch_concurrency)
-            timeout = aiohttp.ClientTimeout(
-                total=self.config.fetch_total_timeout_s, sock_connect=self.config.fetch_connect_timeout_s
-            )
+            connector = aiohttp.TCPConnector(resolver=self._resolver, limit=self.concurrency)
+            timeout = aiohttp.ClientTimeout(total=self.total_timeout_s, sock_connect=self.connect_timeout_s)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
 
     async def aclose(self) -> None:
@@ -137,10 +151,10 @@ class FetchStage:
         await self.start()
         assert self._session is not None
         try:
-            with anyio.fail_after(self.config.fetch_total_timeout_s):  # one deadline for every hop
+            with anyio.fail_after(self.total_timeout_s):  # one deadline for every hop
                 return await self._follow(self._session, url, field)
         except TimeoutError:
-            message = f"image {_shown(url)} did not arrive within {self.config.fetch_total_timeout_s:g} s"
+            message = f"image {_shown(url)} did not arrive within {self.total_timeout_s:g} s"
             raise DeadlineExceeded(message, field=field, stage=self.name) from None
         except AddressRefused as exc:
             raise self._error(url, str(exc), field) from None
@@ -152,7 +166,7 @@ class FetchStage:
 
     async def _follow(self, session: aiohttp.ClientSession, url: str, field: str) -> bytes:
         target = self._parse_http(url, url, field)
-        for _hop in range(self.config.max_redirects + 1):
+        for _hop in range(self.max_redirects + 1):
             self.policy.check_literal(target.raw_host or "")
             async with session.get(target, allow_redirects=False) as resp:
                 if resp.status not in _REDIRECTS:
@@ -161,7 +175,7 @@ class FetchStage:
                 if not location:
                     raise self._error(url, f"redirect {resp.status} without a Location", field)
                 target = self._parse_http(url, str(target.join(URL(location))), field)
-        raise self._error(url, f"more than {self.config.max_redirects} redirects", field)
+        raise self._error(url, f"more than {self.max_redirects} redirects", field)
 
     def _parse_http(self, url: str, hop: str, field: str) -> URL:
         try:
@@ -193,7 +207,7 @@ class FetchStage:
 
     # -- local files ---------------------------------------------------------------------------
     async def _local_file(self, url: str, field: str) -> bytes:
-        root = self.config.media_root
+        root = self.media_root
         if root is None:
             raise self._error(url, "local files are not allowed (no media root is configured)", field)
         if url[:5].lower() == "file:":

@@ -17,15 +17,14 @@ import copy
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import xgrammar as xgr
 from anyio.abc import TaskGroup
 
-from pipeline.config import PipelineConfig
-from pipeline.types import DeadlineExceeded, GrammarError, GrammarSpec, PipelineError
+from pipeline.types import DeadlineExceeded, GrammarError, GrammarSpec, Outcome, PipelineError
 from stages.schema_support import check_schema_support
 
 __all__ = ["GrammarStage", "GrammarStats", "compile_spec"]
@@ -38,12 +37,6 @@ class GrammarStats:
     errors: int = 0
     timeouts: int = 0
     compile_seconds: float = 0.0
-
-
-@dataclass(eq=False)
-class _Flight:
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: Any = None  # CompiledGrammar or PipelineError
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec, *, any_whitespace: bool) -> xgr.CompiledGrammar:
@@ -80,16 +73,24 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec, *, any_whites
 class GrammarStage:
     name = "grammar"
 
-    def __init__(self, config: PipelineConfig, tokenizer_info: xgr.TokenizerInfo) -> None:
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        *,
+        any_whitespace: bool = False,
+        timeout_s: float = 30.0,
+        cache_size: int = 512,
+        max_concurrent: int = 2,
+    ) -> None:
         # xgrammar's own cache is off: ours is bounded, keyed by the canonical spec, and caches errors
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=False)
-        self.any_whitespace = config.json_any_whitespace
-        self.timeout_s = config.grammar_compile_timeout_s
-        self.cache_size = config.grammar_cache_size
-        self.limiter = anyio.CapacityLimiter(config.grammar_max_concurrent_compiles)
+        self.any_whitespace = any_whitespace
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self.limiter = anyio.CapacityLimiter(max_concurrent)
         self.stats = GrammarStats()
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Outcome[Any]] = {}  # one compile job per key; its waiters
         self._tg: TaskGroup | None = None
 
     def attach(self, tg: TaskGroup) -> None:
@@ -99,21 +100,26 @@ class GrammarStage:
     def _compile_sync(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         return compile_spec(self.compiler, spec, any_whitespace=self.any_whitespace)
 
-    async def _job(self, key: str, spec: GrammarSpec, flight: _Flight) -> None:
+    async def _job(self, key: str, spec: GrammarSpec, flight: Outcome[Any]) -> None:
         started = time.perf_counter()
+        result: Any = None
         try:
-            flight.result = await anyio.to_thread.run_sync(self._compile_sync, spec, limiter=self.limiter)
+            result = await anyio.to_thread.run_sync(self._compile_sync, spec, limiter=self.limiter)
         except PipelineError as exc:
-            flight.result = exc
+            result = exc
             self.stats.errors += 1
         finally:
             self.stats.compile_seconds += time.perf_counter() - started
-            if flight.result is not None:
-                self._cache[key] = flight.result
+            if result is not None:
+                self._cache[key] = result
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
             del self._flights[key]
-            flight.done.set()
+            # errors are values here: each waiter raises its own copy (see _unwrap)
+            if result is not None:
+                flight.set_result(result)
+            else:  # cancelled with the pipeline: its waiters are going away too
+                flight.fail(GrammarError("the compile was cancelled"))
 
     def _unwrap(self, result: Any, request_id: str | None) -> xgr.CompiledGrammar:
         if isinstance(result, PipelineError):
@@ -122,10 +128,15 @@ class GrammarStage:
             raise error
         return result
 
+    @property
+    def num_compiling(self) -> int:
+        """Compile jobs in flight (each holds or waits for a limiter token)."""
+        return len(self._flights)
+
     async def wait_idle(self) -> None:
         """Return once no compile job is running (their threads have returned)."""
         while self._flights:
-            await next(iter(self._flights.values())).done.wait()
+            await next(iter(self._flights.values())).wait()
 
     def lookup(self, spec: GrammarSpec) -> Any | None:
         """The cached compiled grammar (or cached error) of ``spec``, without compiling."""
@@ -145,14 +156,14 @@ class GrammarStage:
         self.stats.misses += 1
         flight = self._flights.get(key)
         if flight is None:
-            flight = self._flights[key] = _Flight()
+            flight = self._flights[key] = Outcome()
             if self._tg is not None:
                 self._tg.start_soon(self._job, key, spec, flight)
             else:
                 with anyio.CancelScope(shield=True):
                     await self._job(key, spec, flight)
         with anyio.move_on_after(self.timeout_s) as scope:
-            await flight.done.wait()
+            await flight.wait()
         if scope.cancelled_caught:
             self.stats.timeouts += 1
             raise DeadlineExceeded(
@@ -161,4 +172,8 @@ class GrammarStage:
                 stage=self.name,
                 request_id=request_id,
             )
-        return self._unwrap(flight.result, request_id)
+        try:
+            result = flight.get()
+        except GrammarError as exc:
+            result = exc
+        return self._unwrap(result, request_id)

@@ -1,8 +1,11 @@
-"""Vision encode: images of concurrent requests encoded together in micro-batches.
+"""Vision encode: images of concurrent requests gathered into micro-batches, one thread hop each.
 
 A batcher task takes the first waiting image, then gathers more for at most ``wait_ms`` or until
-``max_batch``, and encodes the batch in one worker-thread call under ``torch.inference_mode()``.
-Images whose requester has gone are skipped before the batch runs.
+``max_batch``, and hands the batch to one worker-thread call. Inside that call the encoder runs the
+tower once per image, not on the batch packed together: transformers packs a Pixtral batch into one
+block-diagonal sequence, which measured 301 ms for 8 images against 57 ms one by one. What the
+batch saves is the thread hops and limiter waits. Images whose requester has gone are skipped
+before the batch runs.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.types import PipelineError
+from pipeline.types import Outcome, PipelineError
 from stages.offload import Offload
 from vision.encoder import VisionEncoder
 from vision.preprocess import PreparedImage
@@ -24,9 +27,7 @@ __all__ = ["VisionEncodeStage"]
 @dataclass(eq=False)
 class _Pending:
     image: PreparedImage
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: torch.Tensor | None = None
-    error: BaseException | None = None
+    embeds: Outcome[torch.Tensor] = field(default_factory=Outcome)
     abandoned: bool = False
 
 
@@ -94,8 +95,8 @@ class VisionEncodeStage:
             await self._encode([p for p in batch if not p.abandoned])
         finally:
             self.limiter.release_on_behalf_of(slot)
-            for p in batch:
-                p.done.set()
+            for p in batch:  # skipped (abandoned) or not reached: nobody waits, but end them anyway
+                p.embeds.fail(PipelineError("the image was not encoded", stage=self.name))
 
     def _encode_each(self, images: list[PreparedImage]) -> list[torch.Tensor | Exception]:
         """One worker-thread call for the batch; an image that fails fails only its own request."""
@@ -116,9 +117,9 @@ class VisionEncodeStage:
             results = await self.offload.run_holding_token(self._encode_each, [p.image for p in batch])
         for p, result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
-                p.error = result
+                p.embeds.fail(result)
             else:
-                p.result = result
+                p.embeds.set_result(result)
 
     async def run(self, images: list[PreparedImage]) -> torch.Tensor | None:
         """Embeddings of all ``images`` stacked ``[sum(num_patches), hidden]``, or None without images.
@@ -132,15 +133,15 @@ class VisionEncodeStage:
             for p in pending:
                 await self._send.send(p)  # blocks while the stage's inbox is full: backpressure
             for p in pending:
-                await p.done.wait()
+                await p.embeds.wait()
         except BaseException:
             for p in pending:
                 p.abandoned = True
             raise
-        errors = [p.error for p in pending if p.error is not None]
+        errors = [p.embeds.error for p in pending if p.embeds.error is not None]
         if errors:
             raise PipelineError(f"vision encoder failed: {errors[0]!r}", stage=self.name) from errors[0]
-        return torch.cat([p.result for p in pending if p.result is not None])
+        return torch.cat([p.embeds.get() for p in pending])
 
     async def aclose(self) -> None:
         await self._send.aclose()

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ttft[kind].append(result.timings["first_token"])
                 spec = GrammarSpec("json_schema", schema(i))
                 started = time.perf_counter()
-                await pipe.grammar.compile(spec)
+                await pipe.preparation.grammar.compile(spec)
                 ttft["hit_ms"].append((time.perf_counter() - started) * 1000)
         return ttft
 

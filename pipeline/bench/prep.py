@@ -42,11 +42,11 @@ def _body(kind: str, i: int, data_url: str, http_url: str) -> dict[str, Any]:
 
 
 def _stage_cpu(pipe: Pipeline) -> dict[str, float]:
-    assert pipe.vision is not None
+    assert pipe.preparation.vision is not None
     return {
-        "decode": pipe.decode.offload.cpu_seconds,
-        "template": pipe.template.offload.cpu_seconds,
-        "vision": pipe.vision.offload.cpu_seconds,
+        "decode": pipe.preparation.decode.offload.cpu_seconds,
+        "template": pipe.preparation.template.offload.cpu_seconds,
+        "vision": pipe.preparation.vision.offload.cpu_seconds,
     }
 
 

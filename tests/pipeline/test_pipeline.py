@@ -10,6 +10,7 @@ from pipeline import PipelineConfig
 from pipeline.errors import GrammarError, ImageDecodeError, InvalidRequest, RequestCancelled
 from pipeline.pipeline import Pipeline
 from tests.images import data_url, encode, image_request, make_image
+from tests.released import assert_released
 
 SCHEMA = {
     "type": "object",
@@ -109,5 +110,4 @@ async def test_cancel_frees_the_engine(pipe: Pipeline) -> None:
         break  # leaving the stream early cancels the request
     with pytest.raises(RequestCancelled):
         await handle.result()
-    await pipe.drain(10)
-    assert pipe.engine.num_running == 0
+    await assert_released(pipe)

@@ -8,7 +8,6 @@ import anyio
 import pytest
 from PIL import Image
 
-from pipeline.config import PipelineConfig
 from pipeline.errors import ImageDecodeError, InvalidRequest, PayloadTooLarge
 from stages.decode import DecodeStage
 from tests.images import encode, make_image
@@ -57,7 +56,7 @@ class Gate:
 
 async def test_decodes_in_a_worker_thread() -> None:
     threads: list[int] = []
-    stage = DecodeStage(PipelineConfig(), transform=recording(threads))
+    stage = DecodeStage(transform=recording(threads))
     loop_thread = threading.get_ident()
     image = await stage.run(encode(make_image(40, 30, seed=1).convert("RGBA"), "PNG"), field=FIELD)
     assert isinstance(image, Image.Image) and image.mode == "RGB" and image.size == (40, 30)
@@ -66,13 +65,13 @@ async def test_decodes_in_a_worker_thread() -> None:
 
 
 async def test_jpeg_draft_target_is_passed_down() -> None:
-    stage = DecodeStage(PipelineConfig(), target_longest_edge=512)
+    stage = DecodeStage(target_longest_edge=512)
     image = await stage.run(encode(make_image(2048, 1024, seed=2), "JPEG"), field=FIELD)
     assert image.size == (512, 256)
 
 
 async def test_errors_carry_field_and_stage_and_return_the_token() -> None:
-    stage = DecodeStage(PipelineConfig(max_image_pixels=100))
+    stage = DecodeStage(max_pixels=100)
     with pytest.raises(ImageDecodeError) as bad:
         await stage.run(b"not an image", field=FIELD)
     assert bad.value.field == FIELD and bad.value.stage == "decode"
@@ -86,14 +85,14 @@ async def test_errors_of_the_transform_are_bound_to_the_stage() -> None:
     def refuse(image: Image.Image) -> Image.Image:
         raise InvalidRequest("image too small for the processor", field=FIELD)
 
-    stage = DecodeStage(PipelineConfig(), transform=refuse)
+    stage = DecodeStage(transform=refuse)
     with pytest.raises(InvalidRequest) as info:
         await stage.run(encode(make_image(8, 8), "PNG"), field=FIELD)
     assert info.value.stage == "decode" and stage.limiter.borrowed_tokens == 0
 
 
 async def test_at_most_decode_threads_decodes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = DecodeStage(PipelineConfig(decode_threads=2))
+    stage = DecodeStage(threads=2)
     gate = Gate()
     monkeypatch.setattr(stage, "_decode", gate)
     results: list[str] = []
@@ -113,7 +112,7 @@ async def test_at_most_decode_threads_decodes_at_once(monkeypatch: pytest.Monkey
 
 
 async def test_cancelled_caller_waits_for_its_thread_then_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = DecodeStage(PipelineConfig(decode_threads=1))
+    stage = DecodeStage(threads=1)
     gate = Gate()
     monkeypatch.setattr(stage, "_decode", gate)
     scope = anyio.CancelScope()
@@ -137,7 +136,7 @@ async def test_cancelled_caller_waits_for_its_thread_then_is_cancelled(monkeypat
 
 
 async def test_cancelled_while_waiting_for_a_token_does_no_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = DecodeStage(PipelineConfig(decode_threads=1))
+    stage = DecodeStage(threads=1)
     gate = Gate()
     monkeypatch.setattr(stage, "_decode", gate)
     waiting = anyio.CancelScope()
@@ -163,6 +162,6 @@ async def test_cancelled_while_waiting_for_a_token_does_no_work(monkeypatch: pyt
 
 async def test_inline_preparation_decodes_on_the_loop() -> None:
     threads: list[int] = []
-    stage = DecodeStage(PipelineConfig(inline_preparation=True), transform=recording(threads))
+    stage = DecodeStage(inline=True, transform=recording(threads))
     await stage.run(encode(make_image(8, 8), "PNG"), field=FIELD)
     assert threads == [threading.get_ident()] and stage.limiter.borrowed_tokens == 0

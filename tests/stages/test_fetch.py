@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -18,7 +19,6 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from PIL import Image
 
-from pipeline.config import PipelineConfig
 from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge, PipelineError
 from stages.fetch import FetchStage
 from stages.fetch_policy import AddressPolicy
@@ -43,9 +43,9 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
-def config(**overrides: object) -> PipelineConfig:
-    defaults: dict[str, object] = {"max_image_bytes": CAP, "fetch_total_timeout_s": 5.0, "max_redirects": 3}
-    return PipelineConfig(**{**defaults, **overrides})  # type: ignore[arg-type]
+def config(**overrides: Any) -> dict[str, Any]:
+    """The fetch stage's keyword arguments for these tests."""
+    return {"max_bytes": CAP, "total_timeout_s": 5.0, "max_redirects": 3, **overrides}
 
 
 async def fetch_error(stage: FetchStage, url: str, kind: type[PipelineError], status: int) -> PipelineError:
@@ -162,13 +162,13 @@ async def server() -> AsyncIterator[Server]:
 @pytest.fixture
 async def local_stage() -> AsyncIterator[FetchStage]:
     """A stage that may reach the local test server (private networks allowed)."""
-    async with FetchStage(config(allow_private_networks=True)) as stage:
+    async with FetchStage(**config(allow_private=True)) as stage:
         yield stage
 
 
 # -- data: URLs ------------------------------------------------------------------------------------
 async def test_data_url_is_decoded() -> None:
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         assert await stage.run(data_url(PNG), field=FIELD) == PNG
         encoded = base64.encodebytes(PNG).decode()  # MIME style: a newline every 76 characters
         assert await stage.run("data:image/png;base64,\n" + encoded, field=FIELD) == PNG
@@ -176,19 +176,19 @@ async def test_data_url_is_decoded() -> None:
 
 async def test_large_data_url_is_decoded_in_a_thread() -> None:
     payload = random.Random(1).randbytes(600 * 1024)
-    async with FetchStage(config(max_image_bytes=1024 * 1024)) as stage:
+    async with FetchStage(**config(max_bytes=1024 * 1024)) as stage:
         assert await stage.run(data_url(payload, "image/jpeg"), field=FIELD) == payload
 
 
 async def test_broken_base64_is_refused() -> None:
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         err = await fetch_error(stage, "data:image/png;base64,iVBORw0K*GgoAAA", ImageFetchError, 400)
         assert "base64" in err.message and "data:image/png;base64," in err.message
         await fetch_error(stage, "data:image/png;base64,iVBORw0KGgoAAA", ImageFetchError, 400)  # bad padding
 
 
 async def test_data_url_must_be_a_base64_image() -> None:
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         err = await fetch_error(stage, data_url(b"hello", "text/plain"), ImageFetchError, 400)
         assert "text/plain" in err.message
         await fetch_error(stage, "data:image/png,rawbytes", ImageFetchError, 400)
@@ -196,7 +196,7 @@ async def test_data_url_must_be_a_base64_image() -> None:
 
 
 async def test_oversize_data_url_is_refused_and_shortened_in_the_message() -> None:
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         err = await fetch_error(stage, data_url(b"\0" * (CAP + 1)), PayloadTooLarge, 413)
         assert err.message.startswith("image data:image/png;base64,AAAA")
         assert len(err.message) < 160
@@ -244,7 +244,7 @@ async def test_redirect_to_another_scheme_is_refused(server: Server, local_stage
 
 
 async def test_hanging_server_hits_the_deadline(server: Server) -> None:
-    async with FetchStage(config(allow_private_networks=True, fetch_total_timeout_s=0.2)) as stage:
+    async with FetchStage(**config(allow_private=True, total_timeout_s=0.2)) as stage:
         err = await fetch_error(stage, f"{server.base}/hang.png", DeadlineExceeded, 504)
     assert server.arrived.is_set()
     assert "/hang.png" in err.message
@@ -259,14 +259,14 @@ async def test_connection_refused(local_stage: FetchStage) -> None:
 
 
 async def test_unknown_host_is_refused() -> None:
-    async with FetchStage(config(), resolver=FakeResolver({})) as stage:
+    async with FetchStage(**config(), resolver=FakeResolver({})) as stage:
         err = await fetch_error(stage, "http://nowhere.test/img.png", ImageFetchError, 400)
     assert "nowhere.test" in err.message
 
 
 async def test_downloads_are_bounded_by_fetch_concurrency(server: Server) -> None:
     results: list[bytes] = []
-    async with FetchStage(config(allow_private_networks=True, fetch_concurrency=1)) as stage:
+    async with FetchStage(**config(allow_private=True, concurrency=1)) as stage:
 
         async def fetch() -> None:
             results.append(await stage.run(f"{server.base}/hang.png", field=FIELD))
@@ -298,7 +298,7 @@ async def test_downloads_are_bounded_by_fetch_concurrency(server: Server) -> Non
     ],
 )
 async def test_private_literal_address_is_refused_by_default(server: Server, url: str) -> None:
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         err = await fetch_error(stage, url.format(port=server.port), ImageFetchError, 400)
     assert "not allowed" in err.message
     assert server.paths == []
@@ -310,7 +310,7 @@ async def test_private_literal_address_is_refused_by_default(server: Server, url
 )
 async def test_hostname_resolving_to_a_private_address_is_refused(addresses: list[str]) -> None:
     resolver = FakeResolver({"images.test": addresses})
-    async with FetchStage(config(), resolver=resolver) as stage:
+    async with FetchStage(**config(), resolver=resolver) as stage:
         err = await fetch_error(stage, "http://images.test/img.png", ImageFetchError, 400)
     assert "images.test" in err.message and "not allowed" in err.message
     assert resolver.calls == ["images.test"]
@@ -320,7 +320,7 @@ async def test_checked_address_is_the_one_connected_to(server: Server) -> None:
     # "public.test" exists only in the fake resolver: fetching it proves the connection used that answer
     resolver = FakeResolver({"public.test": ["127.0.0.1"]})
     policy = AddressPolicy(allowed_networks=(ipaddress.ip_network("127.0.0.1/32"),))
-    async with FetchStage(config(), resolver=resolver, policy=policy) as stage:
+    async with FetchStage(**config(), resolver=resolver, policy=policy) as stage:
         with anyio.fail_after(5):
             assert await stage.run(f"http://public.test:{server.port}/img.png", field=FIELD) == PNG
     assert resolver.calls == ["public.test"]
@@ -334,7 +334,7 @@ async def test_redirect_to_a_private_address_is_refused(server: Server, target: 
     # the test server counts as public here; the redirect target does not
     resolver = FakeResolver({"public.test": ["127.0.0.1"], "metadata.test": ["169.254.169.254"]})
     policy = AddressPolicy(allowed_networks=(ipaddress.ip_network("127.0.0.1/32"),))
-    async with FetchStage(config(), resolver=resolver, policy=policy) as stage:
+    async with FetchStage(**config(), resolver=resolver, policy=policy) as stage:
         url = f"http://public.test:{server.port}/redirect?to={target}"
         err = await fetch_error(stage, url, ImageFetchError, 400)
     assert "not allowed" in err.message
@@ -374,13 +374,13 @@ def test_address_policy(address: str, allowed: bool) -> None:
     "url", ["ftp://example.com/a.png", "javascript:alert(1)", "gopher://x/", "images/a.png", " http://x/a.png"]
 )
 async def test_other_schemes_are_refused(url: str) -> None:
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         await fetch_error(stage, url, ImageFetchError, 400)
 
 
 async def test_local_file_needs_a_media_root(tmp_path: Path) -> None:
     (tmp_path / "a.png").write_bytes(PNG)
-    async with FetchStage(config()) as stage:
+    async with FetchStage(**config()) as stage:
         err = await fetch_error(stage, str(tmp_path / "a.png"), ImageFetchError, 400)
         assert "media root" in err.message
         await fetch_error(stage, (tmp_path / "a.png").as_uri(), ImageFetchError, 400)
@@ -393,7 +393,7 @@ async def test_local_file_under_the_media_root(tmp_path: Path) -> None:
     (media / "big.png").write_bytes(b"\0" * (CAP + 1))
     (tmp_path / "secret.png").write_bytes(PNG)
     os.symlink(tmp_path / "secret.png", media / "link.png")
-    async with FetchStage(config(media_root=str(media))) as stage:
+    async with FetchStage(**config(media_root=str(media))) as stage:
         with anyio.fail_after(5):
             assert await stage.run(str(media / "sub" / "a.png"), field=FIELD) == PNG
             assert await stage.run((media / "sub" / "a.png").as_uri(), field=FIELD) == PNG

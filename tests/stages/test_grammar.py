@@ -9,7 +9,6 @@ import anyio
 import pytest
 import xgrammar as xgr
 
-from pipeline.config import PipelineConfig
 from pipeline.errors import DeadlineExceeded, GrammarError, InvalidRequest, UnsupportedSchemaError
 from pipeline.request import GrammarSpec
 from stages.grammar import GrammarStage
@@ -23,7 +22,7 @@ def accepts(grammar: xgr.CompiledGrammar, text: str) -> bool:
 
 @pytest.fixture
 async def stage(tokenizer_info: Any) -> GrammarStage:
-    return GrammarStage(PipelineConfig(grammar_compile_timeout_s=5), tokenizer_info)
+    return GrammarStage(tokenizer_info, timeout_s=5)
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -14,6 +14,7 @@ from pipeline.errors import Overloaded
 from pipeline.metrics import StageMetrics
 from pipeline.pipeline import Pipeline
 from pipeline.staged import Job, StageWorkers
+from pipeline.types import OutcomeState
 from tests.images import data_url, encode, image_request, make_image
 
 
@@ -45,13 +46,13 @@ async def test_full_stage_blocks_its_producer() -> None:
             assert a.queue_depth() == 0 and a.metrics.completed == 3
             await a.send.send(jobs[3])  # a's inbox had room for exactly one more
             with pytest.raises(anyio.WouldBlock):
-                a.send.send_nowait(Job("overflow", None))
+                a.offer(Job("overflow", None))
             release.set()
             for job in jobs:
-                await job.done.wait()
+                await job.wait()
             await a.aclose()
             await b.aclose()
-    assert [j.outcome for j in jobs] == ["completed"] * 4
+    assert [j.outcome.state for j in jobs] == [OutcomeState.COMPLETED] * 4
     assert seen.count("second:0") == 1 and len(seen) == 8
 
 
@@ -60,13 +61,13 @@ async def blocked_pipe() -> AsyncIterator[tuple[Pipeline, anyio.Event]]:
     config = PipelineConfig(max_pending_requests=4, stage_queue_size=4, fetch_concurrency=1)
     release = anyio.Event()
     async with Pipeline(config, with_engine=False) as pipe:
-        real_run = pipe.fetch.run
+        real_run = pipe.preparation.fetch.run
 
         async def gated_run(url: str, *, field: str) -> bytes:
             await release.wait()
             return await real_run(url, field=field)
 
-        pipe.fetch.run = gated_run  # type: ignore[method-assign]
+        pipe.preparation.fetch.run = gated_run  # type: ignore[method-assign]
         yield pipe, release
 
 

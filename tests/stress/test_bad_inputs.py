@@ -16,6 +16,7 @@ from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
 from tests.images import encode, make_image
+from tests.released import assert_released
 from tests.servers import serving
 
 URL = "messages[0].content[1].image_url.url"
@@ -181,5 +182,4 @@ async def test_bad_input_gets_a_4xx_naming_the_field(
         # and the server still serves a good request
         async with session.post(f"{server}/v1/chat/completions", json={**OK, "max_tokens": 1}) as resp:
             assert resp.status == 200
-    await pipe.wait_idle()  # a refused request leaves the stages at their next boundary
-    assert pipe.num_pending == 0
+    await assert_released(pipe)  # a refused request leaves the stages at their next boundary

@@ -10,6 +10,7 @@ from pipeline import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.pipeline import Pipeline
 from tests.images import data_url, encode, image_request, make_image
+from tests.released import assert_released
 
 NUM_REQUESTS = 200
 
@@ -61,19 +62,7 @@ async def test_cancellation_storm_leaves_nothing_behind() -> None:
         assert sum(outcomes.values()) == NUM_REQUESTS
         assert outcomes["cancelled"] > 20 and outcomes["completed"] >= NUM_REQUESTS // 3
         assert outcomes["failed"] == 0
-        assert pipe.num_pending == 0
-        limiters = {
-            "fetch": pipe.fetch.limiter,
-            "decode": pipe.decode.limiter,
-            "template": pipe.template.limiter,
-            "grammar": pipe.grammar.limiter,
-        }
-        assert pipe.vision is not None
-        limiters["vision"] = pipe.vision.limiter
-        assert {name: lim.borrowed_tokens for name, lim in limiters.items()} == dict.fromkeys(limiters, 0)
-        for stage in pipe.metrics.stages.values():
-            assert (stage.name, stage.queue_depth(), stage.in_flight) == (stage.name, 0, 0)
-        assert pipe.vision.queue_depth == 0
+        await assert_released(pipe)
         # every admitted job left the stages with exactly one outcome
         left = pipe.metrics.outcomes
         assert left["completed"] + left["cancelled"] + left["failed"] == NUM_REQUESTS

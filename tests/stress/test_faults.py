@@ -22,6 +22,7 @@ from pipeline.errors import (
 )
 from pipeline.pipeline import Pipeline
 from tests.images import encode, image_request, make_image
+from tests.released import assert_released
 from tests.servers import serving
 
 PNG = encode(make_image(32, 32, seed=3))
@@ -111,8 +112,7 @@ async def test_image_server_faults_fail_only_their_requests(pipe: Pipeline, faul
             assert result.field == "messages[0].content[1].image_url.url" and result.stage == "fetch"
             assert "/" + name + ".png" in result.message
     assert [r.status for r in results if isinstance(r, PipelineError)] == [504, 400, 400, 413]
-    await pipe.drain(10)
-    assert pipe.num_pending == 0 and pipe.fetch.limiter.borrowed_tokens == 0
+    await assert_released(pipe)
 
 
 async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,15 +136,15 @@ async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monk
 
 async def test_grammar_failure_and_deadline(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = pipe.grammar._compile_sync
+    real = pipe.preparation.grammar._compile_sync
 
     def slow_for_one(spec: Any) -> Any:
         if spec.kind == "regex" and spec.value == "slow+":
             gate.wait(20)
         return real(spec)
 
-    monkeypatch.setattr(pipe.grammar, "_compile_sync", slow_for_one)
-    pipe.grammar.timeout_s = 0.2
+    monkeypatch.setattr(pipe.preparation.grammar, "_compile_sync", slow_for_one)
+    pipe.preparation.grammar.timeout_s = 0.2
     text = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     bodies = [{**text, "regex": "slow+"}, {**text, "regex": "(?<=a)b"}, {**text, "regex": "[ab]+"}, text]
     with anyio.fail_after(30):
@@ -155,12 +155,12 @@ async def test_grammar_failure_and_deadline(pipe: Pipeline, monkeypatch: pytest.
     assert isinstance(results[1], GrammarError) and results[1].status == 400 and results[1].field == "regex"
     assert results[2].completion_tokens >= 1 and set(results[2].text) <= {"a", "b"}
     assert results[3].completion_tokens == 2
-    assert pipe.grammar.limiter.borrowed_tokens == 0
+    await assert_released(pipe)
 
 
 async def test_engine_step_raising_for_one_sequence(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = pipe.engine.engine.runner
-    poison = pipe.tokenizer.encode("POISONED", add_special_tokens=False)
+    poison = pipe.checkpoint.tokenizer.encode("POISONED", add_special_tokens=False)
     real = runner.prefill
 
     def prefill(token_ids: list[int], *args: Any) -> Any:
@@ -174,9 +174,7 @@ async def test_engine_step_raising_for_one_sequence(pipe: Pipeline, monkeypatch:
         results = await _outcomes(pipe, bodies)
     assert isinstance(results[1], EngineError) and "simulated device fault" in results[1].message
     assert results[0].completion_tokens == 4 and results[2].completion_tokens == 4
-    await pipe.drain(10)
-    assert pipe.engine.num_running == 0
-    assert pipe.engine.engine.scheduler.allocator.num_free == pipe.engine.engine.scheduler.allocator.num_blocks
+    await assert_released(pipe)
 
 
 def _data(raw: bytes) -> str:

@@ -14,6 +14,7 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
+from tests.released import assert_released
 from tests.servers import serving
 
 
@@ -27,15 +28,7 @@ async def served() -> AsyncIterator[tuple[str, Pipeline]]:
 
 
 async def _assert_nothing_left(pipe: Pipeline) -> None:
-    assert await pipe.drain(30)
-    await pipe.wait_idle()
-    assert pipe.num_pending == 0 and pipe.engine.num_running == 0
-    await pipe.engine.barrier()  # the engine thread has handled every abort
-    scheduler = pipe.engine.engine.scheduler
-    assert scheduler.allocator.num_free == scheduler.allocator.num_blocks and not scheduler.has_work()
-    limiters = [pipe.fetch.limiter, pipe.decode.limiter, pipe.template.limiter, pipe.grammar.limiter]
-    assert pipe.vision is not None
-    assert [lim.borrowed_tokens for lim in [*limiters, pipe.vision.limiter]] == [0] * 5
+    await assert_released(pipe)
     assert all(s.queue_depth() == 0 and s.in_flight == 0 for s in pipe.metrics.stages.values())
 
 

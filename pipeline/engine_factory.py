@@ -1,0 +1,54 @@
+"""Builds the decode engine of a checkpoint from a PipelineConfig (the engine itself knows no config)."""
+
+from __future__ import annotations
+
+from pipeline.config import PipelineConfig
+from pipeline.trace import Tracer
+from sampling.async_engine import AsyncEngine
+from sampling.detokenizer import TokenBytes
+from sampling.engine import LLMEngine
+from sampling.kv_cache import blocks_needed
+from sampling.model_runner import ModelRunner
+from vision.checkpoint import Checkpoint
+
+__all__ = ["build_engine", "build_llm_engine"]
+
+
+def build_llm_engine(
+    checkpoint: Checkpoint,
+    config: PipelineConfig,
+    *,
+    device: str,
+    tracer: Tracer | None = None,
+    record_timeline: bool = False,
+) -> LLMEngine:
+    """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly)."""
+    tokenizer_info = checkpoint.tokenizer_info
+    num_blocks = config.num_kv_blocks or config.max_running_seqs * blocks_needed(
+        config.max_model_len // 4, config.kv_block_size
+    )
+    runner = ModelRunner(
+        checkpoint,
+        device=device,
+        max_model_len=config.max_model_len,
+        num_blocks=num_blocks,
+        block_size=config.kv_block_size,
+    )
+    return LLMEngine(
+        runner,
+        TokenBytes.from_tokenizer(tokenizer_info, checkpoint.tokenizer),
+        eos_token_ids=[int(t) for t in tokenizer_info.stop_token_ids],
+        num_blocks=num_blocks,
+        max_running=config.max_running_seqs,
+        chunk_tokens=config.prefill_chunk_tokens,
+        record_timeline=record_timeline,
+        tracer=tracer,
+    )
+
+
+def build_engine(
+    checkpoint: Checkpoint, config: PipelineConfig, *, device: str, tracer: Tracer | None = None
+) -> AsyncEngine:
+    """The decode engine of ``checkpoint`` on its own thread, sized by ``config``."""
+    engine = build_llm_engine(checkpoint, config, device=device, tracer=tracer)
+    return AsyncEngine(engine, queue_size=config.engine_queue_size)
