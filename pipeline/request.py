@@ -6,12 +6,12 @@ knows what to fix; nothing here does I/O or heavy CPU work, so it runs on the ev
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.constraints import check_unknown_fields, parse_constraint
 from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, TextPart
 from sampling.params import SamplingParams
 
@@ -156,55 +156,6 @@ def _parse_sampling(body: dict[str, Any], default_max_tokens: int, max_model_len
     )
 
 
-def _parse_response_format(raw: Any) -> GrammarSpec | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise _fail("'response_format' must be an object", "response_format")
-    kind = raw.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec("json_object", None)
-    if kind == "json_schema":
-        spec = raw.get("json_schema")
-        if not isinstance(spec, dict):
-            raise _fail("'json_schema' must be an object", "response_format.json_schema")
-        schema = spec.get("schema")
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise _fail(f"schema is not valid JSON: {exc}", "response_format.json_schema.schema") from None
-        if not isinstance(schema, dict | bool):
-            raise _fail("'schema' must be a JSON object", "response_format.json_schema.schema")
-        strict = spec.get("strict", True)
-        if not isinstance(strict, bool):
-            raise _fail("'strict' must be a boolean", "response_format.json_schema.strict")
-        return GrammarSpec("json_schema", schema, strict=strict, field="response_format.json_schema.schema")
-    raise _fail(
-        f"unknown response_format type {kind!r} (expected text, json_object or json_schema)",
-        "response_format.type",
-    )
-
-
-def _parse_extension_grammar(body: dict[str, Any]) -> GrammarSpec | None:
-    given = [name for name in ("regex", "grammar", "choice") if body.get(name) is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        raise _fail(f"give at most one of regex, grammar, choice (got {', '.join(given)})", given[1])
-    name = given[0]
-    value = body[name]
-    if name == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise _fail("'choice' must be a non-empty list of non-empty strings", "choice")
-        return GrammarSpec("choice", list(value), field="choice")
-    if not isinstance(value, str) or not value:
-        raise _fail(f"'{name}' must be a non-empty string", name)
-    return GrammarSpec(name, value, field=name)  # type: ignore[arg-type]
-
-
 def parse_chat_request(
     body: Any,
     *,
@@ -219,10 +170,8 @@ def parse_chat_request(
     """
     if not isinstance(body, dict):
         raise _fail("the request body must be a JSON object", "body")
-    grammar = _parse_response_format(body.get("response_format"))
-    extension = _parse_extension_grammar(body)
-    if grammar is not None and extension is not None:
-        raise _fail("response_format and a regex/grammar/choice constraint are exclusive", extension.field)
+    check_unknown_fields(body)  # a field we would drop could be a constraint the caller relies on
+    grammar = parse_constraint(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _fail("'stream' must be a boolean", "stream")
@@ -235,7 +184,7 @@ def parse_chat_request(
     request = ChatRequest(
         messages=_parse_messages(body.get("messages"), max_images),
         sampling=_parse_sampling(body, default_max_tokens, max_model_len),
-        grammar=grammar or extension,
+        grammar=grammar,
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
         model=model,

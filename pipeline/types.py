@@ -20,7 +20,9 @@ it)::
     │   └── ShuttingDown (503)
     ├── DeadlineExceeded (504)          a configured deadline passed (fetch, grammar compile)
     ├── RequestCancelled (499)          the caller cancelled or disconnected
-    └── EngineError (500)               the decode engine failed this sequence
+    ├── EngineError (500)               the decode engine failed this sequence
+    └── InvalidAnswer (422)             no attempt's answer passed the whole constraint; ``path``
+                                        points into the last answer where it broke
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "ImageDecodeError",
     "ImageFetchError",
     "ImagePart",
+    "InvalidAnswer",
     "InvalidRequest",
     "Mailbox",
     "Message",
@@ -166,6 +169,21 @@ class RequestCancelled(PipelineError):
 class EngineError(PipelineError):
     status = 500
     error_type = "engine_error"
+
+
+class InvalidAnswer(PipelineError):
+    """Every attempt at a structured answer failed the answer check (never passed off as valid)."""
+
+    status = 422
+    error_type = "invalid_answer"
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "", **kwargs: str | None) -> None:
+        super().__init__(message, **kwargs)
+        self.path = path  # JSON pointer into the answer ("" for the whole text)
+        self.reason = reason  # what failed: "json", a schema keyword, "regex", "choice", "grammar"
+
+    def to_dict(self) -> dict[str, object]:
+        return {**super().to_dict(), "path": self.path, "reason": self.reason}
 
 
 # -- request parts the stages read -------------------------------------------------------------------

@@ -98,7 +98,10 @@ def test_equal_schemas_share_a_cache_key() -> None:
         (body(choice=[]), "choice"),
         (body(choice=["a", 1]), "choice"),
         (body(regex="a", grammar='root ::= "a"'), "grammar"),
-        (body(regex="a", response_format={"type": "json_object"}), "regex"),
+        (
+            body(regex="a", response_format={"type": "json_object"}),
+            "response_format",
+        ),  # two constraints: the second in the body is named
         (body(ignore_eos=1), "ignore_eos"),
     ],
 )
