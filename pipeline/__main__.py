@@ -118,6 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def _default(name: str) -> object:
+    """The default of ``PipelineConfig.<name>``: CLI options default to the config, never to a copy of it."""
     import dataclasses
 
     from pipeline.config import PipelineConfig
@@ -131,13 +132,33 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="the OpenAI-compatible server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    s.add_argument("--device", default="auto")
+    s.add_argument("--model", default=_default("model"), help="checkpoint folder (default: the embedded model)")
+    s.add_argument("--device", default=_default("device"), help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     s.add_argument("--allow-private-networks", action="store_true")
-    s.add_argument("--max-pending", type=int, default=256, help="requests admitted at once before 429")
-    s.add_argument("--stage-queue-size", type=int, default=16)
-    s.add_argument("--decode-threads", type=int, default=_default("decode_threads"))
-    s.add_argument("--template-threads", type=int, default=_default("template_threads"))
+    s.add_argument(
+        "--max-pending",
+        type=int,
+        default=_default("max_pending_requests"),
+        help="requests admitted at once before 429 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--stage-queue-size",
+        type=int,
+        default=_default("stage_queue_size"),
+        help="inbox of every stage (default: %(default)s)",
+    )
+    s.add_argument(
+        "--decode-threads",
+        type=int,
+        default=_default("decode_threads"),
+        help="image decode threads (default: %(default)s)",
+    )
+    s.add_argument(
+        "--template-threads",
+        type=int,
+        default=_default("template_threads"),
+        help="chat template + tokenize threads (default: %(default)s)",
+    )
     s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")

@@ -1,10 +1,13 @@
-"""Shared pieces of the benchmarks: statistics, tables, output files, a local image server."""
+"""Shared pieces of the benchmarks: statistics, tables, output files, test images, a local image server."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import platform
+import random
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +17,17 @@ from aiohttp import web
 
 from pipeline.trace import Tracer
 
-__all__ = ["ImageServer", "machine", "median", "percentile", "print_table", "tracer_for", "write_outputs"]
+__all__ = [
+    "ImageServer",
+    "jpeg_bytes",
+    "jpeg_data_url",
+    "machine",
+    "median",
+    "percentile",
+    "print_table",
+    "tracer_for",
+    "write_outputs",
+]
 
 _TRACERS: dict[str, Tracer] = {}
 
@@ -80,6 +93,23 @@ def write_outputs(out_dir: str | None, scenario: str, figures: dict[str, Any], p
         fig.tight_layout()
         fig.savefig(folder / f"{scenario}.png")
         plt.close(fig)
+
+
+def jpeg_bytes(width: int = 1024, height: int = 768) -> bytes:
+    """A noisy JPEG (quality 90) with a coloured box; the noise differs between calls (Pillow's C rand)."""
+    from PIL import Image
+
+    rng = random.Random(0)
+    image = Image.effect_noise((width, height), 40).convert("RGB")
+    image.paste((rng.randrange(256), 80, 160), (100, 100, 600, 500))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def jpeg_data_url(jpeg: bytes) -> str:
+    """``jpeg`` (e.g. from ``jpeg_bytes()``) as a base64 ``data:image/jpeg`` URL."""
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
 
 
 class ImageServer:

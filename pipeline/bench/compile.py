@@ -7,7 +7,6 @@ the request a new schema should cost little extra time to first token.
 from __future__ import annotations
 
 import argparse
-import base64
 import sys
 import time
 from typing import Any
@@ -15,8 +14,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, median, print_table, tracer_for, write_outputs
-from pipeline.bench.health import _jpeg
+from pipeline.bench.common import jpeg_bytes, jpeg_data_url, machine, median, print_table, tracer_for, write_outputs
 from pipeline.config import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.request import GrammarSpec
@@ -58,7 +56,7 @@ def _body(data_url: str, grammar: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_url = "data:image/jpeg;base64," + base64.b64encode(_jpeg()).decode()
+    data_url = jpeg_data_url(jpeg_bytes())
 
     async def main() -> dict[str, list[float]]:
         ttft: dict[str, list[float]] = {"none": [], "new": [], "bounded": [], "hit_ms": []}

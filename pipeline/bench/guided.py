@@ -21,11 +21,10 @@ import torch
 from tqdm import tqdm
 
 from pipeline.bench.common import machine, median, print_table, write_outputs
-from pipeline.config import default_cache_dir
-from sampling.detokenizer import TokenBytes
+from pipeline.config import PipelineConfig, default_cache_dir
+from pipeline.engine_factory import build_llm_engine
 from sampling.engine import LLMEngine, StepTiming
 from sampling.inputs import EngineInput
-from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
 
@@ -85,16 +84,13 @@ def run_guided(args: argparse.Namespace) -> dict[str, Any]:
     checkpoint = open_checkpoint(None, default_cache_dir())
     tokenizer = checkpoint.tokenizer
     batches = [int(b) for b in args.batches.split(",")]
-    num_blocks = max(batches) * (-(-(args.steps + 64) // 16))
-    runner = ModelRunner(checkpoint, device=device, max_model_len=1024, num_blocks=num_blocks, block_size=16)
-    engine = LLMEngine(
-        runner,
-        TokenBytes.from_tokenizer(checkpoint.tokenizer_info, tokenizer),
-        eos_token_ids=[int(t) for t in checkpoint.tokenizer_info.stop_token_ids],
-        num_blocks=num_blocks,
-        max_running=max(batches),
-        record_timeline=True,
+    config = PipelineConfig(
+        max_running_seqs=max(batches),
+        max_model_len=1024,
+        kv_block_size=16,
+        num_kv_blocks=max(batches) * (-(-(args.steps + 64) // 16)),  # prompt (< 64 tokens) + steps, each sequence
     )
+    engine = build_llm_engine(checkpoint, config, device=device, record_timeline=True)
     grammar = xgr.GrammarCompiler(checkpoint.tokenizer_info).compile_json_schema(
         json.dumps(guided_schema(args.steps + 1)), any_whitespace=False, strict_mode=True
     )

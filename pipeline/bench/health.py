@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import subprocess
 import sys
@@ -20,7 +19,16 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from pipeline.bench.common import ImageServer, machine, median, percentile, print_table, write_outputs
+from pipeline.bench.common import (
+    ImageServer,
+    jpeg_bytes,
+    jpeg_data_url,
+    machine,
+    median,
+    percentile,
+    print_table,
+    write_outputs,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -34,20 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-interval-ms", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="folder for the JSON figures and a PNG plot")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="passed to every server")
-
-
-def _jpeg(width: int = 1024, height: int = 768) -> bytes:
-    import io
-    import random
-
-    from PIL import Image
-
-    rng = random.Random(0)
-    image = Image.effect_noise((width, height), 40).convert("RGB")
-    image.paste((rng.randrange(256), 80, 160), (100, 100, 600, 500))
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 class _Server:
@@ -106,7 +100,7 @@ async def _burst(base: str, bodies: list[bytes]) -> tuple[float, int]:
 
 
 def _bodies(burst: int, jpeg: bytes, http_url: str) -> list[bytes]:
-    data_url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    data_url = jpeg_data_url(jpeg)
     out = []
     for i in range(burst):
         url = data_url if i % 2 == 0 else http_url
@@ -162,7 +156,7 @@ class _ImagesThread:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    jpeg = _jpeg()
+    jpeg = jpeg_bytes()
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
 
     images = _ImagesThread(jpeg)

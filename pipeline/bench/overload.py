@@ -7,7 +7,6 @@ accepted + refused = submitted; every accepted request ends completed, failed or
 from __future__ import annotations
 
 import argparse
-import base64
 import resource
 import sys
 from typing import Any
@@ -15,8 +14,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, print_table, tracer_for, write_outputs
-from pipeline.bench.health import _jpeg
+from pipeline.bench.common import jpeg_bytes, jpeg_data_url, machine, print_table, tracer_for, write_outputs
 from pipeline.config import PipelineConfig
 from pipeline.errors import Overloaded, PipelineError, RequestCancelled
 from pipeline.handle import RequestHandle
@@ -36,7 +34,7 @@ def _rss_mb() -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_url = "data:image/jpeg;base64," + base64.b64encode(_jpeg()).decode()
+    data_url = jpeg_data_url(jpeg_bytes())
     submitted = args.capacity * args.factor
     counts = {"accepted": 0, "refused": 0, "completed": 0, "failed": 0, "cancelled": 0}
     rss: dict[str, float] = {}

@@ -7,7 +7,6 @@ with preparation work. The same load runs again with (practically) unlimited con
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import sys
 import time
@@ -17,8 +16,16 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import ImageServer, machine, median, print_table, tracer_for, write_outputs
-from pipeline.bench.health import _jpeg
+from pipeline.bench.common import (
+    ImageServer,
+    jpeg_bytes,
+    jpeg_data_url,
+    machine,
+    median,
+    print_table,
+    tracer_for,
+    write_outputs,
+)
 from pipeline.config import PipelineConfig
 from pipeline.pipeline import Pipeline
 
@@ -84,8 +91,8 @@ async def _measure(config: PipelineConfig, args: argparse.Namespace, urls: tuple
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    jpeg = _jpeg()
-    data_url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    jpeg = jpeg_bytes()
+    data_url = jpeg_data_url(jpeg)
     base = PipelineConfig(allow_private_networks=True, max_pending_requests=4096, stage_queue_size=4096)
     if args.vision_threads is not None:
         base = replace(base, vision_encode_threads=args.vision_threads)

@@ -8,7 +8,6 @@ preparation burst slows decoding.
 from __future__ import annotations
 
 import argparse
-import base64
 import sys
 import time
 from typing import Any
@@ -16,8 +15,16 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, median, percentile, print_table, tracer_for, write_outputs
-from pipeline.bench.health import _jpeg
+from pipeline.bench.common import (
+    jpeg_bytes,
+    jpeg_data_url,
+    machine,
+    median,
+    percentile,
+    print_table,
+    tracer_for,
+    write_outputs,
+)
 from pipeline.config import PipelineConfig
 from pipeline.pipeline import Pipeline
 
@@ -82,7 +89,7 @@ async def _loaded_run(pipe: Pipeline, args: argparse.Namespace, data_url: str) -
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_url = "data:image/jpeg;base64," + base64.b64encode(_jpeg()).decode()
+    data_url = jpeg_data_url(jpeg_bytes())
 
     async def main() -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"idle": [], "load": [], "idle_gaps": [], "load_gaps": []}

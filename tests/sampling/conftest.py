@@ -15,10 +15,8 @@ import xgrammar as xgr
 from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
 from sampling.model_runner import ModelRunner
+from tests.sampling.helpers import NUM_BLOCKS, make_engine
 from vision.checkpoint import Checkpoint
-
-NUM_BLOCKS = 1024  # x 16 tokens; the tiny model's cache is 8 KiB a block
-EOS = [2]
 
 NewEngine = Callable[..., LLMEngine]
 
@@ -43,18 +41,8 @@ def new_engine(runner: ModelRunner, token_bytes: TokenBytes) -> Iterator[NewEngi
     """``new_engine(num_blocks=..., max_running=..., ...)``: a fresh engine over the shared runner."""
     engines: list[LLMEngine] = []
 
-    def build(
-        *, num_blocks: int = NUM_BLOCKS, max_running: int = 16, eos_token_ids: list[int] = EOS, **kwargs: Any
-    ) -> LLMEngine:
-        engine = LLMEngine(
-            runner,
-            token_bytes,
-            eos_token_ids=eos_token_ids,
-            num_blocks=num_blocks,
-            max_running=max_running,
-            record_timeline=True,
-            **kwargs,
-        )
+    def build(**overrides: Any) -> LLMEngine:
+        engine = make_engine(runner, token_bytes, record_timeline=True, **overrides)
         engines.append(engine)
         return engine
 

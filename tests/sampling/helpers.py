@@ -2,11 +2,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
+from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
 
 IMAGE_TOKEN = 10
+NUM_BLOCKS = 1024  # x 16 tokens; the tiny model's cache is 8 KiB a block
+EOS = [2]
+
+
+def make_engine(runner: ModelRunner, token_bytes: TokenBytes, **overrides: Any) -> LLMEngine:
+    """A fresh engine over ``runner``: EOS ``[2]``, ``NUM_BLOCKS`` blocks, 16 running; ``overrides`` go to LLMEngine."""
+    kwargs: dict[str, Any] = {"eos_token_ids": EOS, "num_blocks": NUM_BLOCKS, "max_running": 16, **overrides}
+    return LLMEngine(runner, token_bytes, **kwargs)
 
 
 def prompt(tokenizer: Any, text: str) -> list[int]:

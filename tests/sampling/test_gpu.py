@@ -11,10 +11,9 @@ import torch
 import xgrammar as xgr
 
 from sampling.detokenizer import TokenBytes
-from sampling.engine import LLMEngine
 from sampling.model_runner import ModelRunner
 from sampling.overlap import HostCopier
-from tests.sampling.helpers import add, prompt, run_all
+from tests.sampling.helpers import add, make_engine, prompt, run_all
 from vision.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -38,7 +37,7 @@ def test_guided_decoding_on_cuda_validates(
 ) -> None:
     runner = ModelRunner(checkpoint, device="cuda", max_model_len=2048, num_blocks=128, block_size=16)
     assert runner.dtype == torch.bfloat16
-    engine = LLMEngine(runner, token_bytes, eos_token_ids=[2], num_blocks=128, max_running=8)
+    engine = make_engine(runner, token_bytes, num_blocks=128, max_running=8)
     grammar = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     for i in range(4):
         add(engine, f"g{i}", prompt(hf_tokenizer, f"gpu {i}"), grammar, max_tokens=32, temperature=0.8, seed=i)

@@ -10,11 +10,9 @@ import jsonschema
 import pytest
 
 from sampling.detokenizer import TokenBytes
-from sampling.engine import LLMEngine
 from sampling.model_runner import ModelRunner
 from tests.conftest import CorpusEntry
-from tests.sampling.conftest import NUM_BLOCKS
-from tests.sampling.helpers import add, prompt, run_all
+from tests.sampling.helpers import add, make_engine, prompt, run_all
 
 BATCH = 16
 MAX_TOKENS = 128
@@ -29,7 +27,7 @@ def test_guided_outputs_validate_for_every_compiled_schema(
     invalid: list[str] = []
     ids = prompt(hf_tokenizer, "Answer in JSON.")
     for start in range(0, len(compiled), BATCH):
-        engine = LLMEngine(runner, token_bytes, eos_token_ids=[2], num_blocks=NUM_BLOCKS, max_running=BATCH)
+        engine = make_engine(runner, token_bytes, max_running=BATCH)
         chunk = compiled[start : start + BATCH]
         for entry in chunk:
             add(engine, entry.name, ids, entry.grammar, max_tokens=MAX_TOKENS, temperature=0.0)

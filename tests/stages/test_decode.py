@@ -13,6 +13,7 @@ from stages.decode import DecodeStage
 from tests.images import encode, make_image
 
 FIELD = "messages[0].content[1].image_url.url"
+TINY = encode(make_image(8, 8), "PNG")
 
 
 def recording(threads: list[int]) -> Callable[[Image.Image], Image.Image]:
@@ -26,7 +27,7 @@ def recording(threads: list[int]) -> Callable[[Image.Image], Image.Image]:
 
 
 class Gate:
-    """A fake decode that blocks its worker thread until released; records what happened in order."""
+    """A transform that blocks the decode's worker thread until released; records what happened in order."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -36,7 +37,7 @@ class Gate:
         self.running = 0
         self.max_running = 0
 
-    def __call__(self, data: bytes, field: str) -> str:
+    def __call__(self, image: Image.Image) -> str:
         with self._changed:
             self.running += 1
             self.max_running = max(self.max_running, self.running)
@@ -91,14 +92,13 @@ async def test_errors_of_the_transform_are_bound_to_the_stage() -> None:
     assert info.value.stage == "decode" and stage.limiter.borrowed_tokens == 0
 
 
-async def test_at_most_decode_threads_decodes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = DecodeStage(threads=2)
+async def test_at_most_decode_threads_decodes_at_once() -> None:
     gate = Gate()
-    monkeypatch.setattr(stage, "_decode", gate)
+    stage = DecodeStage(threads=2, transform=gate)
     results: list[str] = []
 
     async def one() -> None:
-        results.append(await stage.run(b"x", field=FIELD))
+        results.append(await stage.run(TINY, field=FIELD))
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -111,15 +111,14 @@ async def test_at_most_decode_threads_decodes_at_once(monkeypatch: pytest.Monkey
     assert results == ["decoded"] * 5 and gate.max_running == 2 and stage.limiter.borrowed_tokens == 0
 
 
-async def test_cancelled_caller_waits_for_its_thread_then_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = DecodeStage(threads=1)
+async def test_cancelled_caller_waits_for_its_thread_then_is_cancelled() -> None:
     gate = Gate()
-    monkeypatch.setattr(stage, "_decode", gate)
+    stage = DecodeStage(threads=1, transform=gate)
     scope = anyio.CancelScope()
 
     async def caller() -> None:
         with scope:
-            await stage.run(b"x", field=FIELD)
+            await stage.run(TINY, field=FIELD)
             gate.log.append("result delivered")  # must not happen: the caller was cancelled
         gate.log.append("caller left")
 
@@ -135,19 +134,18 @@ async def test_cancelled_caller_waits_for_its_thread_then_is_cancelled(monkeypat
     assert stage.limiter.borrowed_tokens == 0 and stage.offload.calls == 1
 
 
-async def test_cancelled_while_waiting_for_a_token_does_no_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    stage = DecodeStage(threads=1)
+async def test_cancelled_while_waiting_for_a_token_does_no_work() -> None:
     gate = Gate()
-    monkeypatch.setattr(stage, "_decode", gate)
+    stage = DecodeStage(threads=1, transform=gate)
     waiting = anyio.CancelScope()
 
     async def queued() -> None:
         with waiting:
-            await stage.run(b"y", field=FIELD)
+            await stage.run(TINY, field=FIELD)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(partial(stage.run, b"x", field=FIELD))
+            tg.start_soon(partial(stage.run, TINY, field=FIELD))
             await anyio.to_thread.run_sync(gate.entered.wait)
             tg.start_soon(queued)
             await anyio.wait_all_tasks_blocked()

@@ -22,6 +22,7 @@ from PIL import Image
 from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge, PipelineError
 from stages.fetch import FetchStage
 from stages.fetch_policy import AddressPolicy
+from tests.images import data_url
 
 FIELD = "messages[0].content[1].image_url.url"
 CAP = 64 * 1024
@@ -37,10 +38,6 @@ def make_png(width: int = 32, height: int = 24, *, seed: int = 0) -> bytes:
 
 
 PNG = make_png()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 def config(**overrides: Any) -> dict[str, Any]:

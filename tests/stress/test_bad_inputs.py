@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import struct
 import zlib
@@ -15,7 +14,7 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
-from tests.images import encode, make_image
+from tests.images import data_url, encode, make_image
 from tests.released import assert_released
 from tests.servers import serving
 
@@ -31,10 +30,6 @@ def huge_png_header(width: int = 20_000, height: int = 20_000) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     row = b"\0" + b"\0" * (width * 3)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(row * 4, 9)) + chunk(b"IEND", b"")
-
-
-def b64(raw: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64," + base64.b64encode(raw).decode()
 
 
 def msg(*parts: Any, role: str = "user") -> dict[str, Any]:
@@ -69,12 +64,12 @@ CORPUS: list[tuple[str, Any, int, str]] = [
     ("broken base64", msg(TEXT, img("data:image/png;base64,iVBORw0K%%%GgoAAA")), 400, URL),
     ("data URL not an image", msg(TEXT, img("data:text/plain;base64,aGVsbG8=")), 400, URL),
     ("data URL not base64", msg(TEXT, img("data:image/png,rawbytes")), 400, URL),
-    ("text file called .png", msg(TEXT, img(b64(b"just some text, honestly"))), 400, URL),
-    ("truncated png", msg(TEXT, img(b64(PNG[: len(PNG) // 2]))), 400, URL),
-    ("20000x20000 png", msg(TEXT, img(b64(huge_png_header()))), 413, URL),
+    ("text file called .png", msg(TEXT, img(data_url(b"just some text, honestly"))), 400, URL),
+    ("truncated png", msg(TEXT, img(data_url(PNG[: len(PNG) // 2]))), 400, URL),
+    ("20000x20000 png", msg(TEXT, img(data_url(huge_png_header()))), 413, URL),
     ("empty image", msg(TEXT, img("data:image/png;base64,")), 400, URL),
-    ("too many images", msg(TEXT, *[img(b64(PNG))] * 9), 400, "messages"),
-    ("image in a system message", msg(img(b64(PNG)), role="system"), 400, "messages[0].content"),
+    ("too many images", msg(TEXT, *[img(data_url(PNG))] * 9), 400, "messages"),
+    ("image in a system message", msg(img(data_url(PNG)), role="system"), 400, "messages[0].content"),
     ("ftp url", msg(TEXT, img("ftp://example.com/a.png")), 400, URL),
     ("local file without media root", msg(TEXT, img("file:///etc/passwd")), 400, URL),
     ("loopback url", msg(TEXT, img("http://127.0.0.1:9/a.png")), 400, URL),

@@ -21,7 +21,7 @@ from pipeline.errors import (
     PipelineError,
 )
 from pipeline.pipeline import Pipeline
-from tests.images import encode, image_request, make_image
+from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 from tests.servers import serving
 
@@ -126,7 +126,7 @@ async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monk
 
     monkeypatch.setattr(pipe.encoder, "encode", flaky)
     widths = [32, 48, 64]
-    bodies = [image_request([_data(encode(make_image(w, 32, seed=w)))], max_tokens=2) for w in widths]
+    bodies = [image_request([data_url(encode(make_image(w, 32, seed=w)))], max_tokens=2) for w in widths]
     with anyio.fail_after(30):
         results = await _outcomes(pipe, bodies)
     assert results[0].completion_tokens == 2 and results[2].completion_tokens == 2
@@ -175,9 +175,3 @@ async def test_engine_step_raising_for_one_sequence(pipe: Pipeline, monkeypatch:
     assert isinstance(results[1], EngineError) and "simulated device fault" in results[1].message
     assert results[0].completion_tokens == 4 and results[2].completion_tokens == 4
     await assert_released(pipe)
-
-
-def _data(raw: bytes) -> str:
-    import base64
-
-    return "data:image/png;base64," + base64.b64encode(raw).decode()

@@ -1,0 +1,30 @@
+"""The ``bench`` command line: a scenario that cannot be imported stays listed and says why."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import bench
+from pipeline.__main__ import main
+
+
+def test_every_scenario_parses_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in bench.SCENARIOS) and "unavailable" not in listing
+
+
+@pytest.mark.parametrize("extra", [[], ["--steps", "3"], ["--help"]])
+def test_a_scenario_that_fails_to_import_says_which_module_and_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    monkeypatch.setitem(bench.SCENARIOS, "broken", "no_such_module")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    assert "broken" in capsys.readouterr().out
+    assert main(["bench", "broken", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline.bench.no_such_module" in err and "ModuleNotFoundError" in err
