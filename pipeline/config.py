@@ -62,12 +62,19 @@ class PipelineConfig:
     vision_encode_threads: int = 1
 
     # -- grammar --
-    grammar_cache_size: int = 512
-    grammar_max_concurrent_compiles: int = 2
+    grammar_cache_bytes: int = 512 * 1024 * 1024  # compiled grammars (and cached errors), least recent out
+    grammar_max_concurrent_compiles: int = 2  # per backend
+    # A spec meant for xgrammar whose compile has not finished by then is compiled by llguidance
+    # (milliseconds) and served with it; the xgrammar compile finishes in the background for later.
+    grammar_xgrammar_budget_s: float = 0.5
     grammar_compile_timeout_s: float = 30.0
     # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
     # writes "{" followed by whitespace until max_tokens.
     json_any_whitespace: bool = False
+
+    # Structured answers that fail the answer check (never passed off as valid): without streaming
+    # the choice is sampled again this many times, with seeds derived from the request's.
+    answer_resample_attempts: int = 2
 
     # -- decode engine --
     max_running_seqs: int = 32
@@ -91,7 +98,7 @@ class PipelineConfig:
             "template_threads": self.template_threads,
             "vision_max_batch": self.vision_max_batch,
             "vision_encode_threads": self.vision_encode_threads,
-            "grammar_cache_size": self.grammar_cache_size,
+            "grammar_cache_bytes": self.grammar_cache_bytes,
             "grammar_max_concurrent_compiles": self.grammar_max_concurrent_compiles,
             "max_running_seqs": self.max_running_seqs,
             "max_model_len": self.max_model_len,
@@ -103,9 +110,12 @@ class PipelineConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be positive, got {value}")
+        if self.answer_resample_attempts < 0:
+            raise ValueError("PipelineConfig.answer_resample_attempts must be >= 0")
         if self.max_redirects < 0:
             raise ValueError("PipelineConfig.max_redirects must be >= 0")
-        for name in ("fetch_connect_timeout_s", "fetch_total_timeout_s", "grammar_compile_timeout_s"):
+        timeouts = ("fetch_connect_timeout_s", "fetch_total_timeout_s", "grammar_compile_timeout_s")
+        for name in (*timeouts, "grammar_xgrammar_budget_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be positive")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

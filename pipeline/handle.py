@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -10,13 +11,15 @@ from typing import Any
 
 import anyio
 
+from pipeline.answer_gate import AnswerGate, resample_params
 from pipeline.errors import EngineError, Overloaded, PipelineError, RequestCancelled
 from pipeline.metrics import Metrics
+from pipeline.preparation import PreparedInput
 from pipeline.request import ChatRequest
 from pipeline.trace import Tracer
 from pipeline.types import Mailbox, Outcome
 from sampling.async_engine import EngineQueueFull
-from sampling.inputs import EngineInput
+from sampling.inputs import EngineInput, SeqOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class Result:
     prompt_tokens: int
     completion_tokens: int
     timings: dict[str, float]  # seconds per stage, plus "first_token" and "total"
+    grammar_backend: str | None = None  # which backend constrained it ("xgrammar", "llguidance")
+    num_resamples: int = 0  # answers that failed the answer check and were sampled again
 
     @property
     def text(self) -> str:
@@ -63,7 +68,16 @@ class Result:
 class RequestHandle:
     """Returned by ``Pipeline.submit()``; iterate for deltas, ``await result()``, or ``cancel()``."""
 
-    def __init__(self, request: ChatRequest, engine: Any, metrics: Metrics, *, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        request: ChatRequest,
+        engine: Any,
+        metrics: Metrics,
+        *,
+        tracer: Tracer | None = None,
+        resample_attempts: int = 2,
+    ) -> None:
+        self._resample_attempts = resample_attempts  # per choice whose answer fails its check
         self._tracer = tracer
         self.request = request
         self.request_id = request.request_id
@@ -77,17 +91,29 @@ class RequestHandle:
         self._scope = anyio.CancelScope()
         self._prompt_tokens = 0
         self._timings: dict[str, float] = {}
+        self._grammar_backend: str | None = None
+        self._num_resamples = 0
 
-    async def run(self, prepared: Awaitable[EngineInput]) -> None:
+    async def run(self, prepared: Awaitable[PreparedInput]) -> None:
         """Prepare, then decode; every exit ends the handle with exactly one outcome."""
         started = anyio.current_time()
         outcome = "completed"
         try:
             with self._scope:
-                inp = await prepared
+                ready = await prepared
+                inp = ready.inp
                 self._timings.update(inp.timings)
                 self._prompt_tokens = len(inp.prompt_token_ids)
-                await self._decode(inp, started)
+                constraint = ready.constraint
+                gate: AnswerGate[Delta] | None = None
+                if constraint is not None:
+                    self._grammar_backend = constraint.backend
+                    gate = AnswerGate(
+                        constraint.check, constraint.backend, self.request.stream, self._metrics.answer_checks
+                    )
+                await self._decode(inp, started, gate)
+                if gate is not None and gate.failed:
+                    await self._resample(inp, gate)
             if self._scope.cancel_called and self._error is None:
                 self._error = RequestCancelled("the request was cancelled", request_id=self.request_id)
         except PipelineError as exc:
@@ -112,6 +138,8 @@ class RequestHandle:
                     prompt_tokens=self._prompt_tokens,
                     completion_tokens=sum(len(c.token_ids) for c in self._choices),
                     timings=self._timings,
+                    grammar_backend=self._grammar_backend,
+                    num_resamples=self._num_resamples,
                 )
             )
         elif isinstance(self._error, RequestCancelled):
@@ -119,32 +147,73 @@ class RequestHandle:
         else:
             self._outcome.fail(self._error)
 
-    async def _decode(self, inp: EngineInput, started: float) -> None:
+    async def _decode(self, inp: EngineInput, started: float, gate: AnswerGate | None) -> None:
+        choices = self._choices
+        async for out in self._generate(inp):
+            if "first_token" not in self._timings:
+                self._timings["first_token"] = anyio.current_time() - started
+                if self._tracer is not None:
+                    self._tracer.instant("first token", self.request_id)
+            choice = choices[out.index]
+            choice.text += out.text
+            choice.token_ids += out.token_ids
+            choice.finish_reason = out.finish_reason
+            delta = Delta(out.index, out.text, out.token_ids, out.finish_reason)
+            for passed in gate.feed(delta, choice.text) if gate is not None else [delta]:
+                self._deltas.put(passed)
+
+    async def _generate(self, inp: EngineInput) -> AsyncIterator[SeqOutput]:
+        """The engine's outputs for ``inp``; its sequences are aborted if the caller stops early.
+
+        :raises Overloaded: the engine's queue is full. :raises EngineError: a sequence failed.
+        """
         try:
             stream = self._engine.submit(inp)
         except EngineQueueFull as exc:
             raise Overloaded(str(exc), stage="engine", request_id=self.request_id) from None
         submitted = time.perf_counter()
+        tokens = 0
         try:
             async for out in stream:
-                if "first_token" not in self._timings:
-                    self._timings["first_token"] = anyio.current_time() - started
-                    if self._tracer is not None:
-                        self._tracer.instant("first token", self.request_id)
                 if out.error is not None:
                     raise EngineError(out.error, stage="engine", request_id=self.request_id)
-                choice = self._choices[out.index]
-                choice.text += out.text
-                choice.token_ids += out.token_ids
-                choice.finish_reason = out.finish_reason
+                tokens += len(out.token_ids)
                 self._metrics.tokens_generated += len(out.token_ids)
-                self._deltas.put(Delta(out.index, out.text, out.token_ids, out.finish_reason))
+                yield out
         finally:
             if self._tracer is not None:
-                tokens = sum(len(c.token_ids) for c in self._choices)
                 self._tracer.span("decode", "engine", self.request_id, submitted, time.perf_counter(), tokens=tokens)
             if not stream.is_finished:
-                self._engine.abort(self.request_id)  # frees its KV slot and matcher at the next step
+                self._engine.abort(inp.request_id)  # frees its KV slot and matcher at the next step
+
+    async def _resample(self, inp: EngineInput, gate: AnswerGate) -> None:
+        """Sample each failed choice again (non-streaming only) until it passes or the attempts run out.
+
+        :raises InvalidAnswer: a choice whose every attempt failed, naming where the last one broke.
+        """
+        for index, error in sorted(gate.failed.items()):
+            for attempt in range(1, self._resample_attempts + 1):
+                retry = dataclasses.replace(
+                    inp,
+                    request_id=f"{self.request_id}:resample{attempt}:{index}",
+                    sampling=resample_params(inp.sampling, index=index, attempt=attempt),
+                )
+                choice = Choice(index)
+                async for out in self._generate(retry):
+                    choice.text += out.text
+                    choice.token_ids += out.token_ids
+                    choice.finish_reason = out.finish_reason
+                self._metrics.answer_resamples += 1
+                self._num_resamples += 1
+                failed = gate.verify(choice.text) if choice.finish_reason == "stop" else None
+                if failed is None:
+                    self._choices[index] = choice
+                    self._deltas.put(Delta(index, choice.text, choice.token_ids, choice.finish_reason))
+                    break
+                error = failed
+            else:
+                error.message += f" (first answer and {self._resample_attempts} resamples)"
+                raise error
 
     def cancel(self) -> None:
         """End the request; what it holds in the stages and the engine is released."""

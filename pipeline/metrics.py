@@ -48,6 +48,9 @@ class Metrics:
     stages: dict[str, StageMetrics] = field(default_factory=dict)
     outcomes: Counter[str] = field(default_factory=Counter)  # completed / failed / cancelled / refused
     tokens_generated: int = 0
+    # structured answers checked: (backend, "passed" | "failed", reason) -> count
+    answer_checks: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    answer_resamples: int = 0
     grammar_cache_hits: Callable[[], int] = lambda: 0
     grammar_cache_misses: Callable[[], int] = lambda: 0
 
@@ -78,5 +81,12 @@ class Metrics:
             f"pipeline_grammar_cache_hits_total {self.grammar_cache_hits()}",
             "# TYPE pipeline_grammar_cache_misses_total counter",
             f"pipeline_grammar_cache_misses_total {self.grammar_cache_misses()}",
+            "# TYPE pipeline_answer_checks_total counter",
+            *(
+                f'pipeline_answer_checks_total{{backend="{b}",result="{r}",reason="{why}"}} {n}'
+                for (b, r, why), n in sorted(self.answer_checks.items())
+            ),
+            "# TYPE pipeline_answer_resamples_total counter",
+            f"pipeline_answer_resamples_total {self.answer_resamples}",
         ]
         return "\n".join(out) + "\n"

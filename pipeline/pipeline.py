@@ -16,12 +16,13 @@ from pipeline.engine_factory import build_engine
 from pipeline.errors import Overloaded, ShuttingDown
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
-from pipeline.preparation import Preparation, PreparedRequest
+from pipeline.preparation import Preparation, PreparedRequest, build_grammar_stage
 from pipeline.request import ChatRequest, parse_chat_request
 from pipeline.staged import Job
 from pipeline.trace import Tracer
 from sampling.async_engine import AsyncEngine
 from sampling.inputs import EngineInput
+from stages.grammar import GrammarStage
 from vision.checkpoint import Checkpoint, open_checkpoint
 from vision.encoder import VisionEncoder
 
@@ -74,6 +75,7 @@ class Pipeline:
         self.state = PipelineState.NEW
         self._checkpoint: Checkpoint | None = None
         self._encoder: VisionEncoder | None = None
+        self._grammar: GrammarStage | None = None
         self._preparation: Preparation | None = None
         self._engine: AsyncEngine | None = None
         self._stack = AsyncExitStack()
@@ -116,6 +118,7 @@ class Pipeline:
         device = cfg.resolved_device()
         self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
         self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
+        self._grammar = build_grammar_stage(cfg, ck)
         if self.with_engine:
             self._engine = build_engine(ck, cfg, device=device, tracer=self.tracer)
 
@@ -124,8 +127,9 @@ class Pipeline:
             raise RuntimeError(f"a pipeline starts once (it is {self.state.value})")
         self.state = PipelineState.STARTING
         await anyio.to_thread.run_sync(self._load)
+        assert self._grammar is not None  # built by _load
         self._preparation = Preparation(
-            self.config, self.checkpoint, self._encoder, metrics=self.metrics, tracer=self.tracer
+            self.config, self.checkpoint, self._encoder, self._grammar, metrics=self.metrics, tracer=self.tracer
         )
         stack = self._stack
         try:
@@ -223,7 +227,13 @@ class Pipeline:
         if not isinstance(request, ChatRequest):
             request = self.parse(request)
         job = self._admit(request)
-        handle = RequestHandle(request, engine, self.metrics, tracer=self.tracer)
+        handle = RequestHandle(
+            request,
+            engine,
+            self.metrics,
+            tracer=self.tracer,
+            resample_attempts=self.config.answer_resample_attempts,
+        )
         self._handles.add(handle)
         if self._tg is None:  # admitted above, so started: only a bug gets here
             raise RuntimeError("the pipeline has no task group")
@@ -232,7 +242,7 @@ class Pipeline:
 
     async def _run_handle(self, handle: RequestHandle, job: Job[PreparedRequest]) -> None:
         try:
-            await handle.run(self.preparation.engine_input(job))
+            await handle.run(self.preparation.prepared(job))
         finally:
             self._handles.discard(handle)
 

@@ -10,7 +10,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import anyio
 import torch
@@ -24,16 +23,18 @@ from pipeline.staged import Job, StageWorkers, run_each
 from pipeline.trace import Tracer
 from pipeline.types import Outcome
 from sampling.inputs import EngineInput
+from sampling.llguidance_backend import LLGuidanceBackend
 from stages.decode import DecodeStage
 from stages.fetch import FetchStage
-from stages.grammar import GrammarStage
+from stages.grammar import CompiledConstraint, GrammarStage
+from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
 from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
 from vision.preprocess import ImageTokenIds, PreparedImage, preprocess_image
 
-__all__ = ["Preparation", "PreparedRequest"]
+__all__ = ["Preparation", "PreparedInput", "PreparedRequest", "build_grammar_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,32 @@ class PreparedRequest:
     images: list[PreparedImage] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None
-    grammar: Outcome[Any] = field(default_factory=Outcome)  # the compiled grammar (None: unconstrained)
+    grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedInput:
+    """A request ready to decode: the engine's input, and the constraint its answers are checked
+    against (None when unconstrained)."""
+
+    inp: EngineInput
+    constraint: CompiledConstraint | None
+
+
+def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> GrammarStage:
+    """The grammar stage with both backends for ``checkpoint``'s tokenizer (seconds: run it off the loop)."""
+    info = checkpoint.tokenizer_info
+    llguidance = LLGuidanceBackend(
+        checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=[int(t) for t in info.stop_token_ids]
+    )
+    return GrammarStage(
+        XGrammarCompiler(info, any_whitespace=config.json_any_whitespace),
+        LLGuidanceCompiler(llguidance),
+        timeout_s=config.grammar_compile_timeout_s,
+        cache_bytes=config.grammar_cache_bytes,
+        max_concurrent=config.grammar_max_concurrent_compiles,
+        xgrammar_budget_s=config.grammar_xgrammar_budget_s,
+    )
 
 
 class Preparation:
@@ -58,6 +84,7 @@ class Preparation:
         config: PipelineConfig,
         checkpoint: Checkpoint,
         encoder: VisionEncoder | None,
+        grammar: GrammarStage,
         *,
         metrics: Metrics,
         tracer: Tracer | None = None,
@@ -104,13 +131,7 @@ class Preparation:
             if encoder is not None
             else None
         )
-        self.grammar = GrammarStage(
-            checkpoint.tokenizer_info,
-            any_whitespace=cfg.json_any_whitespace,
-            timeout_s=cfg.grammar_compile_timeout_s,
-            cache_size=cfg.grammar_cache_size,
-            max_concurrent=cfg.grammar_max_concurrent_compiles,
-        )
+        self.grammar = grammar
         metrics.grammar_cache_hits = lambda: self.grammar.stats.hits
         metrics.grammar_cache_misses = lambda: self.grammar.stats.misses
         self.stages = self._build_stages()
@@ -243,6 +264,10 @@ class Preparation:
                 job.fail(prep.grammar.error)  # type: ignore[arg-type]
 
     async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
+        """What ``prepared`` gives, for the engine alone."""
+        return (await self.prepared(job)).inp
+
+    async def prepared(self, job: Job[PreparedRequest]) -> PreparedInput:
         """Wait for ``job`` to leave the last stage, join its grammar, and wrap it for the engine.
 
         :raises PipelineError: the error the job ended with. A cancelled caller cancels the job.
@@ -258,12 +283,14 @@ class Preparation:
         if job.error is not None:
             raise job.error
         request = prep.request
-        return EngineInput(
+        constraint = prep.grammar.get()
+        inp = EngineInput(
             request_id=request.request_id,
             prompt_token_ids=prep.prompt_ids,
             image_token_id=self.image_token_id,
             image_embeds=prep.image_embeds,
             sampling=request.sampling,
-            grammar=prep.grammar.get(),
+            grammar=constraint.grammar if constraint is not None else None,
             timings=dict(job.timings),
         )
+        return PreparedInput(inp, constraint)

@@ -1,16 +1,22 @@
-"""Guided decoding with xgrammar: one matcher per sequence, batched fill, apply and accept.
+"""Guided decoding with xgrammar or llguidance: one matcher per sequence, batched fill, apply and accept.
 
-The fill runs on the host while the forward pass runs (the engine arranges that); it is one
-``BatchGrammarMatcher`` call that releases the GIL, not one Python call per sequence.
+A batch may mix sequences of both backends (each request's grammar comes from the backend the
+grammar stage chose). Both fill the same 32-bit bitmask layout, so the apply is shared; the fill is
+one call per backend per step that releases the GIL (xgrammar's ``BatchGrammarMatcher``,
+llguidance's executor), and runs on the host while the forward pass runs (the engine arranges that).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import xgrammar as xgr
+
+from sampling import llguidance_backend
+from sampling.llguidance_backend import LLGrammar, LLGuidanceMatcher
 
 __all__ = ["GuidedDecoder", "new_matcher"]
 
@@ -21,12 +27,15 @@ _SPARSE_WORDS = 256
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def new_matcher(grammar: Any, replay: list[int] = ()) -> xgr.GrammarMatcher:  # type: ignore[assignment]
-    """A fresh matcher for one sequence, advanced over ``replay`` (tokens it had accepted before a
-    preemption), so a recomputed sequence never continues from a stale grammar state.
+def new_matcher(grammar: Any, replay: Sequence[int] = ()) -> Any:
+    """A fresh matcher for one sequence (of the grammar's backend), advanced over ``replay`` (tokens
+    it had accepted before a preemption), so a recomputed sequence never continues from a stale
+    grammar state.
 
     :raises ValueError: if a replayed token is rejected.
     """
+    if isinstance(grammar, LLGrammar):
+        return llguidance_backend.new_matcher(grammar, replay)
     matcher = xgr.GrammarMatcher(grammar)
     for token in replay:
         if not matcher.accept_token(token):
@@ -44,11 +53,22 @@ class GuidedDecoder:
         if device.type == "cuda":
             self.host_bitmask = self.host_bitmask.pin_memory()
         self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self._llguidance = llguidance_backend.BitmaskFiller(max_threads)
         self._apply_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-apply")
 
     def fill(self, matchers: list[Any], rows: list[int]) -> None:
-        """Fill the bitmask rows ``rows`` from ``matchers`` (host work; releases the GIL)."""
-        self._batch.batch_fill_next_token_bitmask(matchers, self.host_bitmask, rows)
+        """Fill the bitmask rows ``rows`` from ``matchers`` (host work; one call per backend, each
+        releasing the GIL)."""
+        ll = [i for i, m in enumerate(matchers) if isinstance(m, LLGuidanceMatcher)]
+        if not ll:
+            self._batch.batch_fill_next_token_bitmask(matchers, self.host_bitmask, rows)
+            return
+        xg = [i for i, m in enumerate(matchers) if not isinstance(m, LLGuidanceMatcher)]
+        if xg:
+            self._batch.batch_fill_next_token_bitmask(
+                [matchers[i] for i in xg], self.host_bitmask, [rows[i] for i in xg]
+            )
+        self._llguidance.fill([matchers[i] for i in ll], self.host_bitmask, [rows[i] for i in ll])
 
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Mask disallowed tokens of the guided ``rows`` of ``logits`` ``[B, vocab]`` to -inf, in place."""
@@ -109,15 +129,13 @@ class GuidedDecoder:
 
     @staticmethod
     def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """Advance each matcher by its sampled token; False: the grammar rejects it (a bug upstream)."""
+        """Advance each matcher by its sampled token; False: the grammar rejects it (the matcher is
+        left as it was)."""
         if not matchers:
             return []
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        if not any(isinstance(m, LLGuidanceMatcher) for m in matchers):
+            return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return [bool(m.accept_token(t)) for m, t in zip(matchers, tokens, strict=True)]
 
-    @staticmethod
-    def try_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """Advance each matcher by a candidate token where its grammar allows it; False leaves that
-        matcher as it was (the caller then masks the row and chooses again)."""
-        if not matchers:
-            return []
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+    # the lazy greedy path offers a candidate the same way: a refused token leaves the matcher as it was
+    try_accept = accept

@@ -68,7 +68,9 @@ _DRAFT_FORMATS: dict[type[jsonschema_rs.Validator], frozenset[str]] = {
 class Violation:
     path: str  # JSON pointer into the answer ("/items/2/name", "" for the root); "" for regex, choice, grammar
     message: str
-    reason: str = field(default="", compare=False)  # what failed, for metrics: "json", a schema keyword ("maxLength"), "regex", "choice", ...
+    reason: str = field(
+        default="", compare=False
+    )  # what failed, for metrics: "json", a schema keyword ("maxLength"), "regex", "choice", ...
 
 
 class AnswerCheck(Protocol):
@@ -195,7 +197,7 @@ def _schema_validator(schema: Any, field: str) -> jsonschema_rs.Validator:
 
 def _never_fetch(uri: str) -> dict[str, Any]:
     # A remote $ref is never fetched (no network, and no request may make us fetch): it accepts any value, as the
-    # grammar treats it. A strict schema with one is refused before this by check_schema_support.
+    # grammar treats it. A strict schema with one is refused before this (stages.schema_support).
     return {}
 
 

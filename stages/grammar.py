@@ -1,33 +1,47 @@
-"""Grammar compile: xgrammar, started at admission, cached, single-flight, bounded and with a deadline.
+"""Grammar compile: per request xgrammar or llguidance, started at admission, cached, single-flight,
+bounded, and unable to starve the server.
 
-- One ``GrammarCompiler`` per tokenizer; compiles run in worker threads (xgrammar releases the GIL),
-  at most ``grammar_max_concurrent_compiles`` at once, so a slow schema cannot starve the rest.
-- A bounded LRU cache keyed by the canonical spec; a hit costs a dict lookup, no thread hop.
-  Failures are cached too: the same bad schema fails the same way, and the second time for free.
-- Concurrent identical compiles share one job. The job belongs to the stage's task group, not to
-  the first caller, so that caller's cancellation does not cancel it for the others.
-- A waiter gives up after ``grammar_compile_timeout_s`` with a 504. The thread cannot be interrupted:
-  it finishes in the background, holding its limiter token (a storm of slow schemas stays bounded),
-  and its result is cached for the next request.
+- The backend comes from the spec's features (``stages.grammar_dispatch``). A spec meant for
+  xgrammar goes to llguidance instead when both xgrammar compile slots are taken, or when its
+  xgrammar compile has not finished within ``xgrammar_budget_s``: llguidance compiles in
+  milliseconds, so cheap specs and refusals answer at once while a big schema compiles. The late
+  xgrammar compile still finishes (a thread cannot be interrupted), holding its slot, and its result
+  replaces the llguidance one in the cache.
+- Compiles run in worker threads (both libraries release the GIL), each backend under its own limiter.
+- The cache is keyed by the canonical spec, bounded by bytes (``cache_bytes``: xgrammar reports a
+  grammar's size, llguidance's is estimated), least recently used first out; one entry may hold at
+  most a quarter of it. Errors are cached too (small): the same bad schema fails the same way, free.
+- Concurrent identical compiles share one job. Jobs belong to the stage's task group, not to the
+  first caller, so that caller's cancellation does not cancel the job for the others.
+- A waiter gives up after ``timeout_s`` with a 504.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import xgrammar as xgr
 from anyio.abc import TaskGroup
 
-from pipeline.types import DeadlineExceeded, GrammarError, GrammarSpec, Outcome, PipelineError
-from stages.schema_support import check_schema_support
+from pipeline.types import (
+    DeadlineExceeded,
+    GrammarError,
+    GrammarSpec,
+    Outcome,
+    PipelineError,
+    UnsupportedSchemaError,
+)
+from stages.answer_check import AnswerCheck
+from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar_dispatch import LLGUIDANCE_KINDS, choose_backend
 
-__all__ = ["GrammarStage", "GrammarStats", "compile_spec"]
+__all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
+
+_ERROR_BYTES = 1024
 
 
 @dataclass
@@ -37,37 +51,20 @@ class GrammarStats:
     errors: int = 0
     timeouts: int = 0
     compile_seconds: float = 0.0
+    backends: Counter[str] = field(default_factory=Counter)  # compiles by "backend: reason"
 
 
-def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec, *, any_whitespace: bool) -> xgr.CompiledGrammar:
-    """Compile one spec (synchronous, seconds for a hard schema).
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledConstraint:
+    """A request's compiled constraint: what the engine makes matchers from, and the check every
+    finished answer must pass."""
 
-    :raises GrammarError: naming ``spec.field`` when the spec is refused or xgrammar fails.
-    """
-    try:
-        if spec.kind == "json_schema" and spec.value is not True:
-            if not isinstance(spec.value, dict):
-                raise GrammarError("the schema must be a JSON object", field=spec.field)
-            check_schema_support(spec.value, strict=spec.strict, field=spec.field)
-            return compiler.compile_json_schema(
-                json.dumps(spec.value), any_whitespace=any_whitespace, strict_mode=spec.strict
-            )
-        if spec.kind in ("json_object", "json_schema"):
-            schema = '{"type": "object"}' if spec.kind == "json_object" else "{}"
-            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=False)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
-        if spec.kind == "grammar":
-            return compiler.compile_grammar(spec.value, root_rule_name="root")
-        if spec.kind == "choice":
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.value)
-            return compiler.compile_grammar(f"root ::= {alternatives}")
-    except PipelineError:
-        raise
-    except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError with a message
-        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise GrammarError(f"could not compile the {spec.kind}: {message}", field=spec.field) from None
-    raise GrammarError(f"unknown constraint kind {spec.kind!r}", field=spec.field)
+    kind: str
+    backend: str  # "xgrammar" | "llguidance"
+    reason: str  # why that backend (a dispatch row, "default", "xgrammar busy", ...)
+    grammar: Any  # xgr.CompiledGrammar | LLGrammar
+    check: AnswerCheck
+    nbytes: int
 
 
 class GrammarStage:
@@ -75,59 +72,58 @@ class GrammarStage:
 
     def __init__(
         self,
-        tokenizer_info: xgr.TokenizerInfo,
+        xgrammar: XGrammarCompiler,
+        llguidance: LLGuidanceCompiler,
         *,
-        any_whitespace: bool = False,
         timeout_s: float = 30.0,
-        cache_size: int = 512,
+        cache_bytes: int = 512 * 1024 * 1024,
         max_concurrent: int = 2,
+        xgrammar_budget_s: float = 0.5,
     ) -> None:
-        # xgrammar's own cache is off: ours is bounded, keyed by the canonical spec, and caches errors
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=False)
-        self.any_whitespace = any_whitespace
+        self.compilers: dict[str, XGrammarCompiler | LLGuidanceCompiler] = {
+            "xgrammar": xgrammar,
+            "llguidance": llguidance,
+        }
         self.timeout_s = timeout_s
-        self.cache_size = cache_size
-        self.limiter = anyio.CapacityLimiter(max_concurrent)
+        self.cache_bytes = cache_bytes
+        self.xgrammar_budget_s = xgrammar_budget_s
+        self.limiter = anyio.CapacityLimiter(max_concurrent)  # xgrammar compiles: seconds each
+        self.fast_limiter = anyio.CapacityLimiter(max_concurrent)  # llguidance compiles: milliseconds
         self.stats = GrammarStats()
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._flights: dict[str, Outcome[Any]] = {}  # one compile job per key; its waiters
+        self._cache: OrderedDict[str, CompiledConstraint | PipelineError] = OrderedDict()
+        self._cached_bytes = 0
+        self._flights: dict[tuple[str, str], Outcome[CompiledConstraint]] = {}  # (backend, key) -> job
         self._tg: TaskGroup | None = None
 
     def attach(self, tg: TaskGroup) -> None:
         """Run compile jobs in ``tg`` (the pipeline's); without one, the first caller runs the job shielded."""
         self._tg = tg
 
-    def _compile_sync(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        return compile_spec(self.compiler, spec, any_whitespace=self.any_whitespace)
+    # -- the cache ------------------------------------------------------------------------------
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
 
-    async def _job(self, key: str, spec: GrammarSpec, flight: Outcome[Any]) -> None:
-        started = time.perf_counter()
-        result: Any = None
-        try:
-            result = await anyio.to_thread.run_sync(self._compile_sync, spec, limiter=self.limiter)
-        except PipelineError as exc:
-            result = exc
-            self.stats.errors += 1
-        finally:
-            self.stats.compile_seconds += time.perf_counter() - started
-            if result is not None:
-                self._cache[key] = result
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            del self._flights[key]
-            # errors are values here: each waiter raises its own copy (see _unwrap)
-            if result is not None:
-                flight.set_result(result)
-            else:  # cancelled with the pipeline: its waiters are going away too
-                flight.fail(GrammarError("the compile was cancelled"))
+    def lookup(self, spec: GrammarSpec) -> CompiledConstraint | PipelineError | None:
+        """The cached constraint (or cached error) of ``spec``, without compiling."""
+        return self._cache.get(spec.key)
 
-    def _unwrap(self, result: Any, request_id: str | None) -> xgr.CompiledGrammar:
-        if isinstance(result, PipelineError):
-            error = copy.copy(result)  # one error object per request: each carries its own request id
-            error.stage, error.request_id = self.name, request_id
-            raise error
-        return result
+    def _store(self, key: str, entry: CompiledConstraint | PipelineError) -> None:
+        size = entry.nbytes if isinstance(entry, CompiledConstraint) else _ERROR_BYTES
+        if size > self.cache_bytes // 4:
+            return  # too big to keep: the next request compiles it again
+        self._evict(key)
+        self._cache[key] = entry
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes:
+            self._evict(next(iter(self._cache)))
 
+    def _evict(self, key: str) -> None:
+        entry = self._cache.pop(key, None)
+        if entry is not None:
+            self._cached_bytes -= entry.nbytes if isinstance(entry, CompiledConstraint) else _ERROR_BYTES
+
+    # -- compile jobs -----------------------------------------------------------------------------
     @property
     def num_compiling(self) -> int:
         """Compile jobs in flight (each holds or waits for a limiter token)."""
@@ -138,32 +134,98 @@ class GrammarStage:
         while self._flights:
             await next(iter(self._flights.values())).wait()
 
-    def lookup(self, spec: GrammarSpec) -> Any | None:
-        """The cached compiled grammar (or cached error) of ``spec``, without compiling."""
-        return self._cache.get(spec.key)
+    def _compile_sync(self, backend: str, spec: GrammarSpec) -> Compiled:
+        return self.compilers[backend].compile(spec)
 
-    async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``spec``.
+    async def _job(self, backend: str, reason: str, spec: GrammarSpec, flight: Outcome[CompiledConstraint]) -> None:
+        started = time.perf_counter()
+        limiter = self.limiter if backend == "xgrammar" else self.fast_limiter
+        try:
+            compiled = await anyio.to_thread.run_sync(self._compile_sync, backend, spec, limiter=limiter)
+            result: CompiledConstraint | PipelineError = CompiledConstraint(
+                spec.kind, backend, reason, compiled.grammar, compiled.check, compiled.nbytes
+            )
+            self.stats.backends[f"{backend}: {reason}"] += 1
+        except PipelineError as exc:
+            result = exc
+            self.stats.errors += 1
+        except BaseException:
+            flight.fail(GrammarError(f"the {spec.kind} compile was cancelled", field=spec.field))
+            raise
+        finally:
+            self.stats.compile_seconds += time.perf_counter() - started
+            del self._flights[(backend, spec.key)]
+        current = self._cache.get(spec.key)
+        # a grammar replaces a cached error, a late xgrammar grammar its llguidance stand-in; an
+        # error never replaces a grammar
+        is_grammar = isinstance(result, CompiledConstraint)
+        if current is None or (is_grammar and (isinstance(current, PipelineError) or backend == "xgrammar")):
+            self._store(spec.key, result)
+        if isinstance(result, CompiledConstraint):
+            flight.set_result(result)
+        else:
+            flight.fail(result)
 
-        :raises GrammarError: (400) the spec is refused or cannot be compiled.
-        :raises DeadlineExceeded: (504) the compile took longer than the configured deadline.
-        """
-        key = spec.key
-        if key in self._cache:
-            self.stats.hits += 1
-            self._cache.move_to_end(key)
-            return self._unwrap(self._cache[key], request_id)
-        self.stats.misses += 1
-        flight = self._flights.get(key)
-        if flight is None:
-            flight = self._flights[key] = Outcome()
-            if self._tg is not None:
-                self._tg.start_soon(self._job, key, spec, flight)
-            else:
-                with anyio.CancelScope(shield=True):
-                    await self._job(key, spec, flight)
-        with anyio.move_on_after(self.timeout_s) as scope:
+    def _flight(self, backend: str, reason: str, spec: GrammarSpec) -> tuple[Outcome[CompiledConstraint], bool]:
+        """The job compiling ``spec`` with ``backend`` (started now if none); True when it is new."""
+        flight = self._flights.get((backend, spec.key))
+        if flight is not None:
+            return flight, False
+        flight = self._flights[(backend, spec.key)] = Outcome()
+        if self._tg is not None:
+            self._tg.start_soon(self._job, backend, reason, spec, flight)
+        return flight, True
+
+    async def _await(
+        self, backend: str, reason: str, spec: GrammarSpec, *, budget_s: float | None = None
+    ) -> Outcome[CompiledConstraint]:
+        """The job's outcome once it is done, or (with ``budget_s``) when that runs out first."""
+        flight, is_new = self._flight(backend, reason, spec)
+        if is_new and self._tg is None:  # no task group to leave the job in: run it here, shielded
+            with anyio.CancelScope(shield=True):
+                await self._job(backend, reason, spec, flight)
+        with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
             await flight.wait()
+        return flight
+
+    async def _resolve(self, spec: GrammarSpec) -> Outcome[CompiledConstraint]:
+        dispatch = choose_backend(spec)
+        if dispatch.backend == "llguidance":
+            flight = await self._await("llguidance", dispatch.reason, spec)
+            if not isinstance(flight.error, UnsupportedSchemaError):
+                return flight  # compiled, or refused for a reason xgrammar would not fix (unsatisfiable)
+            # llguidance refuses some keywords outright (uniqueItems, dependencies) where xgrammar
+            # ignores them: the answer check holds those, so xgrammar's looser grammar serves
+            fallback = await self._await("xgrammar", "llguidance could not compile it", spec)
+            return fallback if fallback.error is None else flight
+        if spec.kind not in LLGUIDANCE_KINDS:
+            return await self._await("xgrammar", dispatch.reason, spec)
+        is_busy = self.limiter.borrowed_tokens >= self.limiter.total_tokens
+        if is_busy and ("xgrammar", spec.key) not in self._flights:
+            return await self._await("llguidance", "xgrammar compile slots busy", spec)
+        flight = await self._await("xgrammar", dispatch.reason, spec, budget_s=self.xgrammar_budget_s)
+        if flight.is_done and flight.error is None:
+            return flight
+        reason = "xgrammar compile over budget" if not flight.is_done else "xgrammar could not compile it"
+        fallback = await self._await("llguidance", reason, spec)
+        if fallback.error is not None and flight.is_done:
+            return flight  # both failed: the default backend's error is the one reported
+        return fallback
+
+    async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> CompiledConstraint:
+        """The compiled constraint of ``spec``.
+
+        :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
+        :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
+        """
+        cached = self._cache.get(spec.key)
+        if cached is not None:
+            self.stats.hits += 1
+            self._cache.move_to_end(spec.key)
+            return self._unwrap(cached, request_id)
+        self.stats.misses += 1
+        with anyio.move_on_after(self.timeout_s) as scope:
+            flight = await self._resolve(spec)
         if scope.cancelled_caught:
             self.stats.timeouts += 1
             raise DeadlineExceeded(
@@ -172,8 +234,12 @@ class GrammarStage:
                 stage=self.name,
                 request_id=request_id,
             )
-        try:
-            result = flight.get()
-        except GrammarError as exc:
-            result = exc
-        return self._unwrap(result, request_id)
+        error = flight.error
+        return self._unwrap(error if isinstance(error, PipelineError) else flight.get(), request_id)
+
+    def _unwrap(self, result: CompiledConstraint | PipelineError, request_id: str | None) -> CompiledConstraint:
+        if isinstance(result, PipelineError):
+            error = copy.copy(result)  # one error object per request: each carries its own request id
+            error.stage, error.request_id = self.name, request_id
+            raise error
+        return result

@@ -1,10 +1,12 @@
-"""Which JSON-schema keywords xgrammar 0.2.8 enforces, and a check that refuses the ones it ignores.
+"""Which JSON-schema keywords xgrammar 0.2.8 ignores, and the check that refuses what nothing can hold.
 
-Found by compiling a one-keyword schema and feeding the grammar an instance that violates only that
-keyword (``tests/stages/test_schema_support.py`` repeats the experiment, so an xgrammar upgrade
-that changes the answer fails loudly). Ignored keywords would let an invalid output through, so a
-``strict`` request that uses them is refused with a 400 listing them; ``strict: false`` accepts
-them, and its output then satisfies only what xgrammar enforces.
+The lists were found by compiling a one-keyword schema and feeding the grammar an instance that
+violates only that keyword (``tests/stages/test_schema_support.py`` repeats the experiment, so an
+xgrammar upgrade that changes the answer fails loudly). An ignored keyword no longer refuses a
+schema: the answer check (``stages/answer_check.py``) validates every answer against the whole
+schema, and a failing answer is resampled or refused, never returned. What neither a grammar nor
+the check can hold is a remote ``$ref`` (never fetched): a ``strict`` schema with one is refused
+with a 400 naming it; ``strict: false`` accepts it as any value.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from pipeline.types import UnsupportedSchemaError
 
-__all__ = ["IGNORED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unsupported"]
+__all__ = ["IGNORED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unholdable", "find_unsupported"]
 
 # The grammar accepts instances that violate these.
 IGNORED_KEYWORDS = frozenset(
@@ -90,14 +92,28 @@ def find_unsupported(schema: Any, path: str = "") -> list[str]:
     return found
 
 
+def find_unholdable(schema: Any, path: str = "") -> list[str]:
+    """JSON pointers of what neither backend nor the answer check can enforce: remote ``$ref``s."""
+    if isinstance(schema, list):
+        return [p for i, sub in enumerate(schema) for p in find_unholdable(sub, f"{path}/{i}")]
+    if not isinstance(schema, dict):
+        return []
+    ref = schema.get("$ref")
+    found = [f"{path}/$ref (remote: {ref[:60]})"] if isinstance(ref, str) and not ref.startswith("#") else []
+    for key, value in schema.items():
+        if key not in ("const", "enum", "default", "examples"):  # values, not schemas
+            found += find_unholdable(value, f"{path}/{key}")
+    return found
+
+
 def check_schema_support(schema: Any, *, strict: bool, field: str) -> None:
-    """Refuse a strict schema that uses keywords xgrammar would silently ignore.
+    """Refuse a strict schema that nothing here can hold to every keyword.
 
     :raises UnsupportedSchemaError: (400) listing each such keyword with its JSON pointer.
     """
     if not strict:
         return
-    found = find_unsupported(schema)
+    found = find_unholdable(schema)
     if found:
         shown = ", ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
         raise UnsupportedSchemaError(

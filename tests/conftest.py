@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,32 +47,58 @@ class CorpusEntry:
     name: str
     schema: Any
     instances: list[tuple[bool, Any]]  # (valid, data)
-    grammar: Any | None  # xgrammar.CompiledGrammar when it compiled
+    constraint: Any | None  # stages.grammar.CompiledConstraint when it compiled
     error: PipelineError | None  # the 400 it was refused with otherwise
+
+    @property
+    def grammar(self) -> Any | None:
+        return self.constraint.grammar if self.constraint is not None else None
 
 
 @pytest.fixture(scope="session")
-def schema_corpus(tokenizer_info: Any) -> list[CorpusEntry]:
-    """The 220 JSONSchemaBench schemas, each compiled once (strict) or refused with its error.
+def grammar_compilers(checkpoint: Checkpoint) -> tuple[Any, Any]:
+    """Both grammar backends for the embedded tokenizer (llguidance's tokenizer takes ~2 s to build)."""
+    from pipeline.config import PipelineConfig
+    from pipeline.preparation import build_grammar_stage
 
-    The slowest schemas take 10-30 s to compile on this hardware, so they are compiled on two threads,
-    once per test session, and shared by the grammar tests and the guided-decoding tests.
+    stage = build_grammar_stage(PipelineConfig(), checkpoint)
+    return stage.compilers["xgrammar"], stage.compilers["llguidance"]
+
+
+@pytest.fixture(scope="session")
+def schema_corpus(grammar_compilers: tuple[Any, Any]) -> list[CorpusEntry]:
+    """The 220 JSONSchemaBench schemas, each compiled once (strict) by the grammar stage, as a
+    request's would be, or refused with its error.
+
+    Deterministic: no task group (so no compile races its budget) and slots enough that none is
+    ever busy; two compiles at a time, once per test session, shared by the grammar tests.
     """
-    import xgrammar as xgr
+    import anyio
 
-    from pipeline.request import GrammarSpec
-    from stages.grammar import compile_spec
+    from pipeline.types import GrammarSpec
+    from stages.grammar import GrammarStage
 
-    compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
+    stage = GrammarStage(*grammar_compilers, timeout_s=300, max_concurrent=1000)
+    paths = sorted(CORPUS_DIR.glob("*.json"))
+    entries: dict[Path, CorpusEntry] = {}
 
-    def load(path: Path) -> CorpusEntry:
-        raw = json.loads(path.read_text())
+    raws = {path: json.loads(path.read_text()) for path in paths}
+
+    async def load(path: Path, limiter: anyio.CapacityLimiter) -> None:
+        raw = raws[path]
         instances = [(bool(t["valid"]), t["data"]) for t in raw.get("tests", [])]
-        try:
-            grammar = compile_spec(compiler, GrammarSpec("json_schema", raw["schema"]), any_whitespace=False)
-            return CorpusEntry(path.stem, raw["schema"], instances, grammar, None)
-        except PipelineError as exc:
-            return CorpusEntry(path.stem, raw["schema"], instances, None, exc)
+        async with limiter:
+            try:
+                constraint = await stage.compile(GrammarSpec("json_schema", raw["schema"]))
+                entries[path] = CorpusEntry(path.stem, raw["schema"], instances, constraint, None)
+            except PipelineError as exc:
+                entries[path] = CorpusEntry(path.stem, raw["schema"], instances, None, exc)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(load, sorted(CORPUS_DIR.glob("*.json"))))
+    async def load_all() -> None:
+        limiter = anyio.CapacityLimiter(2)
+        async with anyio.create_task_group() as tg:
+            for path in paths:
+                tg.start_soon(load, path, limiter)
+
+    anyio.run(load_all)
+    return [entries[path] for path in paths]

@@ -11,7 +11,6 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from pipeline.errors import UnsupportedSchemaError
 from sampling.engine import LLMEngine
 from tests.conftest import CorpusEntry
 from tests.sampling.conftest import NewEngine
@@ -74,42 +73,45 @@ def test_n4_guided_json_outputs_each_validate(
 
 
 @pytest.mark.slow
-def test_guided_outputs_validate_for_every_corpus_schema_xgrammar_enforces(
+def test_corpus_grammars_of_both_backends_decode_in_one_batch(
     schema_corpus: list[CorpusEntry], new_engine: NewEngine, hf_tokenizer: Any
 ) -> None:
-    """Every JSONSchemaBench schema that compiles (strict, no free whitespace) runs greedily through
-    one engine; an output that stops must validate. Schemas with keywords xgrammar ignores (uniqueItems,
-    not, if/then/else, ...) are refused at compile (``stages.schema_support``) and counted as excluded."""
-    compiled = [e for e in schema_corpus if e.grammar is not None]
-    excluded = [e for e in schema_corpus if isinstance(e.error, UnsupportedSchemaError)]
+    """Every JSONSchemaBench schema that compiles (strict, no free whitespace, each by the backend the
+    dispatch picked: xgrammar and llguidance matchers share the batches) runs greedily through one
+    engine. The grammar alone is not trusted: an output that stops is counted valid or invalid by
+    the answer check, and every invalid one must be a keyword the grammar of its backend ignores."""
+    compiled = [e for e in schema_corpus if e.constraint is not None]
     engine = new_engine(max_running=CORPUS_BATCH)
     ids = prompt(hf_tokenizer, "Answer in JSON.")
     for entry in compiled:
         add(engine, entry.name, ids, entry.grammar, max_tokens=CORPUS_MAX_TOKENS, temperature=0.0)
     outputs = run_all(engine, max_steps=100_000)
     counts: Counter[str] = Counter()
-    invalid: list[str] = []
+    caught: Counter[str] = Counter()
     for entry in compiled:
         out = outputs[(entry.name, 0)]
-        counts[out.finish_reason or "none"] += 1
-        if out.finish_reason != "stop":
-            continue
-        try:
-            jsonschema.validate(json.loads(out.text), entry.schema)  # no format checker: formats not checked
-            counts["stop+valid"] += 1
-        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            invalid.append(f"{entry.name}: {str(exc).splitlines()[0]} <- {out.text[:200]}")
-        except jsonschema.SchemaError:
-            counts["schema the validator rejects"] += 1
-    print(
-        f"\nguided corpus: {len(schema_corpus)} schemas, compiled {len(compiled)}, "
-        f"stop+valid {counts['stop+valid']}, length {counts['length']}, invalid {len(invalid)}, "
-        f"excluded (keywords xgrammar ignores) {len(excluded)}, "
-        f"compile errors {len(schema_corpus) - len(compiled) - len(excluded)}, "
-        f"validator rejects schema {counts['schema the validator rejects']}, error {counts['error']}"
-    )
-    assert len(compiled) >= 170
-    assert counts["error"] == 0 and counts["none"] == 0
-    assert not invalid, invalid
-    assert counts["stop"] + counts["length"] == len(compiled)
-    assert counts["stop+valid"] >= len(compiled) // 3  # the rest write long strings until max_tokens
+        assert entry.constraint is not None
+        backend = entry.constraint.backend
+        counts[f"{backend} {out.finish_reason}"] += 1
+        if out.finish_reason == "stop":
+            violation = entry.constraint.check.check(out.text)
+            if violation is not None:
+                caught[f"{backend} {violation.reason}"] += 1
+    print(f"\nguided corpus in the engine: {dict(sorted(counts.items()))}; caught by the answer check {dict(caught)}")
+    assert len(compiled) >= 210
+    assert not [k for k in counts if k.endswith(("error", "None"))], counts
+    assert {k.split()[0] for k in counts} == {"xgrammar", "llguidance"}
+    assert sum(n for k, n in counts.items() if k.endswith("stop")) >= len(compiled) // 3
+    # what a grammar lets through, only keywords no grammar here enforces
+    assert {k.split()[1] for k in caught} <= {
+        "uniqueItems",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependencies",
+        "dependentRequired",
+        "contains",
+        "format",
+        "required",
+    }, caught

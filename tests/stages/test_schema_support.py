@@ -108,10 +108,16 @@ def test_the_lists_cover_the_keywords_tested() -> None:
     assert "regex" in IGNORED_FORMATS
 
 
-def test_pointers_and_strict_false() -> None:
+def test_pointers() -> None:
     schema = {"$defs": {"tag": {"type": "array", "uniqueItems": True}}, "properties": {"x": {"not": {}}}}
     assert find_unsupported(schema) == ["/properties/x/not", "/$defs/tag/uniqueItems"]
+    check_schema_support(schema, strict=True, field="f")  # the answer check holds these: accepted
+
+
+def test_only_what_nothing_can_hold_is_refused_and_only_when_strict() -> None:
+    schema = {"properties": {"a": {"$ref": "https://example.com/a.json"}, "b": {"enum": [{"$ref": "x"}]}}}
     with pytest.raises(UnsupportedSchemaError) as info:
         check_schema_support(schema, strict=True, field="response_format.json_schema.schema")
-    assert info.value.field == "response_format.json_schema.schema" and len(info.value.keywords) == 2
-    check_schema_support(schema, strict=False, field="f")  # documented: accepted, not enforced
+    assert info.value.field == "response_format.json_schema.schema"
+    assert info.value.keywords == ["/properties/a/$ref (remote: https://example.com/a.json)"]
+    check_schema_support(schema, strict=False, field="f")  # documented: accepted as any value

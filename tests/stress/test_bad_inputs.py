@@ -84,6 +84,36 @@ CORPUS: list[tuple[str, Any, int, str]] = [
         "response_format.json_schema.schema",
     ),
     (
+        "schema false (nothing satisfies it)",
+        {**OK, "response_format": {"type": "json_schema", "json_schema": {"schema": False}}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "schema that is a bare cycle",
+        {**OK, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "a vLLM-only field we do not honour",
+        {**OK, "guided_whitespace_pattern": "[ ]?"},
+        400,
+        "guided_whitespace_pattern",
+    ),
+    (
+        "an unknown field",
+        {**OK, "frobnicate": True},
+        400,
+        "frobnicate",
+    ),
+    (
+        "two constraints",
+        {**OK, "guided_regex": "a+", "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (
         "schema that is a list",
         {**OK, "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
         400,
@@ -96,12 +126,12 @@ CORPUS: list[tuple[str, Any, int, str]] = [
         "response_format.json_schema.strict",
     ),
     (
-        "schema with uniqueItems",
+        "strict schema with a remote $ref (nothing can hold it)",
         {
             **OK,
             "response_format": {
                 "type": "json_schema",
-                "json_schema": {"schema": {"type": "array", "uniqueItems": True}},
+                "json_schema": {"schema": {"type": "array", "items": {"$ref": "https://example.com/s.json"}}},
             },
         },
         400,

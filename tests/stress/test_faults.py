@@ -134,24 +134,31 @@ async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monk
     assert "simulated encoder fault" in results[1].message and results[1].stage == "vision"
 
 
+class SlowForOne:
+    """The real xgrammar compiler, but one grammar compiles only when ``gate`` opens."""
+
+    def __init__(self, real: Any, gate: threading.Event) -> None:
+        self.real, self.gate, self.name = real, gate, real.name
+
+    def compile(self, spec: Any) -> Any:
+        if spec.kind == "grammar" and "slow" in spec.value:
+            self.gate.wait(20)
+        return self.real.compile(spec)
+
+
 async def test_grammar_failure_and_deadline(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = pipe.preparation.grammar._compile_sync
-
-    def slow_for_one(spec: Any) -> Any:
-        if spec.kind == "regex" and spec.value == "slow+":
-            gate.wait(20)
-        return real(spec)
-
-    monkeypatch.setattr(pipe.preparation.grammar, "_compile_sync", slow_for_one)
-    pipe.preparation.grammar.timeout_s = 0.2
+    grammar = pipe.preparation.grammar
+    monkeypatch.setitem(grammar.compilers, "xgrammar", SlowForOne(grammar.compilers["xgrammar"], gate))
+    monkeypatch.setattr(grammar, "timeout_s", 0.2)
     text = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-    bodies = [{**text, "regex": "slow+"}, {**text, "regex": "(?<=a)b"}, {**text, "regex": "[ab]+"}, text]
+    slow = {**text, "grammar": 'root ::= "slow" [a-z]*'}  # EBNF: xgrammar only, so no fallback
+    bodies = [slow, {**text, "regex": "(?<=a)b"}, {**text, "regex": "[ab]+"}, text]
     with anyio.fail_after(30):
         results = await _outcomes(pipe, bodies)
         gate.set()
         await pipe.wait_idle()
-    assert isinstance(results[0], DeadlineExceeded) and results[0].status == 504 and results[0].field == "regex"
+    assert isinstance(results[0], DeadlineExceeded) and results[0].status == 504 and results[0].field == "grammar"
     assert isinstance(results[1], GrammarError) and results[1].status == 400 and results[1].field == "regex"
     assert results[2].completion_tokens >= 1 and set(results[2].text) <= {"a", "b"}
     assert results[3].completion_tokens == 2

@@ -1,0 +1,175 @@
+"""The two grammar backends behind one call: compile a spec into what the engine makes matchers from,
+plus the answer check of the same spec; and our own error messages for both.
+
+- xgrammar compiles every kind; JSON without free whitespace (``any_whitespace=False``).
+- llguidance compiles JSON schemas, regexes and choices (``stages.grammar_dispatch`` decides which
+  backend a spec goes to); EBNF grammars and structural tags are xgrammar's dialects.
+
+Both produce the same 32-bit bitmask layout, so the engine masks logits the same way for either.
+A compile also proves the grammar can emit something: a constraint whose first mask allows no token
+(an empty language, a bare ``{"$ref": "#"}`` cycle) is a 400 here, never a 500 in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pipeline.types import GrammarError, GrammarSpec, PipelineError, UnsupportedSchemaError
+from sampling.llguidance_backend import LLGrammar, LLGuidanceBackend, close_schema
+from stages.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
+from stages.schema_support import check_schema_support
+
+__all__ = ["Compiled", "LLGuidanceCompiler", "XGrammarCompiler", "clean_message"]
+
+# xgrammar's messages carry a timestamp and its C++ source path: "[12:03:55] /workspace/cpp/x.cc:91: "
+_LIBRARY_NOISE = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s*|\S+\.(?:cc|cpp|h|hpp|rs|py):\d+(?::\d+)?:?\s*")
+_MAX_MESSAGE = 500
+# what a cached llguidance grammar holds beside its grammar text: the matcher prototype and its lexer
+# state (an estimate: llguidance does not report its memory)
+_LLGUIDANCE_BASE_BYTES = 256 * 1024
+
+
+def clean_message(message: str) -> str:
+    """A library's error message without its source paths, timestamps and stack: one line of ours."""
+    lines = [line for line in (_LIBRARY_NOISE.sub("", raw).strip() for raw in str(message).splitlines()) if line]
+    text = lines[-1] if lines else "unknown error"
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + " ..."
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A compiled constraint before the stage names it: the grammar, its answer check, its size."""
+
+    grammar: Any  # xgr.CompiledGrammar | LLGrammar
+    check: AnswerCheck
+    nbytes: int
+
+
+def _compile_error(spec: GrammarSpec, exc: Exception) -> GrammarError:
+    return GrammarError(f"could not compile the {spec.kind}: {clean_message(str(exc))}", field=spec.field)
+
+
+def _refuse_empty(spec: GrammarSpec) -> GrammarError:
+    return GrammarError(
+        f"the {spec.kind.replace('_', ' ')} admits no output (an empty language or a rule that never ends)",
+        field=spec.field,
+    )
+
+
+class XGrammarCompiler:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, *, any_whitespace: bool) -> None:
+        # xgrammar's own cache is off: the stage's is bounded by bytes, keyed by the canonical spec
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=False)
+        self.vocab_size = tokenizer_info.vocab_size
+        self.any_whitespace = any_whitespace
+
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        """Compile ``spec`` (synchronous: seconds for a hard schema).
+
+        :raises GrammarError: naming ``spec.field``: refused, invalid or empty.
+        """
+        try:
+            grammar = self._compile(spec)
+        except PipelineError:
+            raise
+        except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError
+            raise GrammarError(
+                f"could not compile the {spec.kind}: {clean_message(str(exc))}", field=spec.field
+            ) from None
+        matcher = xgr.GrammarMatcher(grammar)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(torch.any(bitmask != 0)):
+            raise _refuse_empty(spec)
+        check = build_answer_check(spec, grammar_acceptor=xgrammar_acceptor(grammar))
+        return Compiled(grammar, check, int(grammar.memory_size_bytes))
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        value = spec.value
+        if spec.kind == "json_schema":
+            if value is False:
+                raise GrammarError("the schema is false: no value satisfies it", field=spec.field)
+            if isinstance(value, dict):
+                # keywords xgrammar ignores (stages.schema_support) are held by the answer check
+                check_schema_support(value, strict=spec.strict, field=spec.field)
+                return self.compiler.compile_json_schema(
+                    json.dumps(value), any_whitespace=self.any_whitespace, strict_mode=spec.strict
+                )
+            return self.compiler.compile_json_schema("{}", any_whitespace=self.any_whitespace, strict_mode=False)
+        if spec.kind == "json_object":
+            return self.compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=self.any_whitespace, strict_mode=False
+            )
+        if spec.kind == "regex":
+            return self.compiler.compile_regex(value)
+        if spec.kind == "grammar":
+            return self.compiler.compile_grammar(value, root_rule_name="root")
+        if spec.kind == "choice":
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+            return self.compiler.compile_grammar(f"root ::= {alternatives}")
+        if spec.kind == "structural_tag":
+            return self.compiler.compile_structural_tag(json.dumps(value))
+        raise GrammarError(f"unknown constraint kind {spec.kind!r}", field=spec.field)
+
+
+class LLGuidanceCompiler:
+    name = "llguidance"
+
+    def __init__(self, backend: LLGuidanceBackend) -> None:
+        self.backend = backend
+
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        """Compile ``spec`` (milliseconds).
+
+        :raises GrammarError: naming ``spec.field``: refused (strict keywords it cannot enforce),
+            invalid or empty.
+        """
+        try:
+            grammar = self._compile(spec)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise GrammarError(
+                f"could not compile the {spec.kind}: {clean_message(str(exc))}", field=spec.field
+            ) from None
+        if not any(grammar.prototype.compute_bitmask()):
+            raise _refuse_empty(spec)
+        return Compiled(grammar, build_answer_check(spec), _LLGUIDANCE_BASE_BYTES + 2 * len(grammar.grammar))
+
+    def _compile(self, spec: GrammarSpec) -> LLGrammar:
+        backend, value, field = self.backend, spec.value, spec.field
+        if spec.kind == "json_schema":
+            if value is False:
+                raise GrammarError("the schema is false: no value satisfies it", field=field)
+            if isinstance(value, dict):
+                check_schema_support(value, strict=spec.strict, field=field)
+            if not spec.strict or not isinstance(value, dict):
+                return backend.compile_json_schema(value, strict=False, field=field)
+            try:
+                try:
+                    return backend.compile_json_schema(value, strict=True, field=field)
+                except UnsupportedSchemaError:
+                    # strict llguidance refuses keywords it cannot enforce; the answer check holds
+                    # them, so constrain as far as it goes (objects closed, as strict mode closes them)
+                    return backend.compile_json_schema(close_schema(value), strict=False, field=field)
+            except GrammarError as exc:
+                if isinstance(exc, UnsupportedSchemaError) or "Unimplemented keys" not in exc.message:
+                    raise
+                # some keywords it will not approximate even leniently: xgrammar may (the stage
+                # falls back to it on this error)
+                raise UnsupportedSchemaError(exc.message, field=field) from None
+        if spec.kind == "json_object":
+            return backend.compile_json_schema({"type": "object"}, strict=False, field=field)
+        if spec.kind == "regex":
+            return backend.compile_regex(value, field=field)
+        if spec.kind == "choice":
+            return backend.compile_choice(value, field=field)
+        raise GrammarError(f"llguidance does not compile a {spec.kind} here", field=field)
