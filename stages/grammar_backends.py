@@ -62,6 +62,20 @@ def _refuse_empty(spec: GrammarSpec) -> GrammarError:
     )
 
 
+def _without_free_whitespace(node: Any) -> Any:
+    """A structural tag whose JSON contents allow at most one whitespace character between tokens (0 is
+    refused by xgrammar 0.2.8): a weak model writes whitespace until ``max_tokens`` where a grammar
+    lets it (seen here: ``<answer>{`` and then tabs and newlines)."""
+    if isinstance(node, list):
+        return [_without_free_whitespace(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _without_free_whitespace(item) for key, item in node.items()}
+    if out.get("type") == "json_schema" and "json_schema" in out and "max_whitespace_cnt" not in out:
+        out["max_whitespace_cnt"] = 1
+    return out
+
+
 class XGrammarCompiler:
     name = "xgrammar"
 
@@ -116,7 +130,8 @@ class XGrammarCompiler:
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
             return self.compiler.compile_grammar(f"root ::= {alternatives}")
         if spec.kind == "structural_tag":
-            return self.compiler.compile_structural_tag(json.dumps(value))
+            tag = value if self.any_whitespace else _without_free_whitespace(value)
+            return self.compiler.compile_structural_tag(json.dumps(tag))
         raise GrammarError(f"unknown constraint kind {spec.kind!r}", field=spec.field)
 
 

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
+from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
 from sampling.guided import GuidedDecoder
 from tests.sampling.conftest import NewEngine
@@ -23,9 +24,11 @@ SCHEMA = {
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
 
 
-@pytest.fixture(scope="module")
-def json_grammar(compiler: xgr.GrammarCompiler) -> xgr.CompiledGrammar:
-    return compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, strict_mode=True)
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def json_grammar(request: pytest.FixtureRequest, grammar_compilers: tuple[Any, Any]) -> Any:
+    """SCHEMA compiled by each backend: every guided engine test runs with both matchers."""
+    compiler = dict(zip(("xgrammar", "llguidance"), grammar_compilers, strict=True))[request.param]
+    return compiler.compile(GrammarSpec("json_schema", SCHEMA)).grammar
 
 
 def _add_crowd(engine: LLMEngine, tokenizer: Any, grammar: xgr.CompiledGrammar) -> None:

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
+from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
 from tests.conftest import CorpusEntry
 from tests.sampling.conftest import NewEngine
@@ -57,10 +58,11 @@ def test_regex_choice_and_ebnf_outputs_match(
         assert re.fullmatch(pattern, out.text), out.text
 
 
+@pytest.mark.parametrize("backend", [0, 1], ids=["xgrammar", "llguidance"])
 def test_n4_guided_json_outputs_each_validate(
-    engine: LLMEngine, hf_tokenizer: Any, compiler: xgr.GrammarCompiler
+    engine: LLMEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any], backend: int
 ) -> None:
-    grammar = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, strict_mode=True)
+    grammar = grammar_compilers[backend].compile(GrammarSpec("json_schema", SCHEMA)).grammar
     add(engine, "r", prompt(hf_tokenizer, "four please"), grammar, max_tokens=96, temperature=1.0, seed=7, n=4)
     outputs = run_all(engine)
     assert sorted(outputs) == [("r", i) for i in range(4)]
