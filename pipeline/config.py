@@ -65,8 +65,9 @@ class PipelineConfig:
     grammar_cache_bytes: int = 512 * 1024 * 1024  # compiled grammars (and cached errors), least recent out
     grammar_max_concurrent_compiles: int = 2  # per backend
     # A spec meant for xgrammar whose compile has not finished by then is compiled by llguidance
-    # (milliseconds) and served with it; the xgrammar compile finishes in the background for later.
-    grammar_xgrammar_budget_s: float = 0.5
+    # (p50 1.5 ms, p90 10 ms on the dev corpus; xgrammar: p50 22 ms, p90 1-2 s) and served with it;
+    # the xgrammar compile finishes in the background and serves the requests after it.
+    grammar_xgrammar_budget_s: float = 0.05
     grammar_compile_timeout_s: float = 30.0
     # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
     # writes "{" followed by whitespace until max_tokens.

@@ -53,6 +53,7 @@ class Metrics:
     answer_resamples: int = 0
     grammar_cache_hits: Callable[[], int] = lambda: 0
     grammar_cache_misses: Callable[[], int] = lambda: 0
+    grammar_compiles: Callable[[], Counter[str]] = Counter  # "backend: reason" -> compiles
 
     def stage(self, name: str) -> StageMetrics:
         return self.stages.setdefault(name, StageMetrics(name))
@@ -81,6 +82,11 @@ class Metrics:
             f"pipeline_grammar_cache_hits_total {self.grammar_cache_hits()}",
             "# TYPE pipeline_grammar_cache_misses_total counter",
             f"pipeline_grammar_cache_misses_total {self.grammar_cache_misses()}",
+            "# TYPE pipeline_grammar_compiles_total counter",
+            *(
+                f'pipeline_grammar_compiles_total{{backend="{k.split(": ", 1)[0]}",reason="{k.split(": ", 1)[1]}"}} {n}'
+                for k, n in sorted(self.grammar_compiles().items())
+            ),
             "# TYPE pipeline_answer_checks_total counter",
             *(
                 f'pipeline_answer_checks_total{{backend="{b}",result="{r}",reason="{why}"}} {n}'

@@ -134,6 +134,7 @@ class Preparation:
         self.grammar = grammar
         metrics.grammar_cache_hits = lambda: self.grammar.stats.hits
         metrics.grammar_cache_misses = lambda: self.grammar.stats.misses
+        metrics.grammar_compiles = lambda: self.grammar.stats.backends
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
 

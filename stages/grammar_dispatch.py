@@ -44,6 +44,12 @@ def _is_string_schema(node: dict[str, Any]) -> bool:
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
+def _structured_literal(node: dict[str, Any]) -> bool:
+    enum = node.get("enum")
+    values: list[Any] = [node["const"]] if "const" in node else enum if isinstance(enum, list) else []
+    return any(isinstance(v, dict | list) for v in values)
+
+
 def _fractional_multiple(node: dict[str, Any]) -> bool:
     step = node.get("multipleOf")
     return isinstance(step, int | float) and not isinstance(step, bool) and float(step) != int(step)
@@ -51,19 +57,29 @@ def _fractional_multiple(node: dict[str, Any]) -> bool:
 
 ROWS: tuple[DispatchRow, ...] = (
     DispatchRow(
-        "bounded string",
-        lambda n: _is_string_schema(n) and ("minLength" in n or "maxLength" in n),
-        "xgrammar 0.2.8 lets a raw TAB into strings with minLength/maxLength (mlc-ai/xgrammar#800)",
-    ),
-    DispatchRow(
         "string pattern",
         lambda n: "pattern" in n,
         "pattern with maxLength ignores the length: '1543275' for ^[0-9]+$ with maxLength 2",
     ),
     DispatchRow(
+        "bounded string",
+        lambda n: _is_string_schema(n) and ("minLength" in n or "maxLength" in n),
+        "xgrammar 0.2.8 lets a raw TAB into strings with minLength/maxLength (mlc-ai/xgrammar#800)",
+    ),
+    DispatchRow(
         "fractional multipleOf",
         _fractional_multiple,
         "multipleOf 0.5 is not enforced: 10 of 20 seeded answers invalid",
+    ),
+    DispatchRow(
+        "const/enum holding an object or array",
+        _structured_literal,
+        "writes [1,2] and refuses the layout [1, 2] that its own JSON grammar writes elsewhere",
+    ),
+    DispatchRow(
+        "array bounds without items",
+        lambda n: ("minItems" in n or "maxItems" in n) and "items" not in n and "prefixItems" not in n,
+        "allows only [] (or fails to compile: minItems greater than prefixItems)",
     ),
     DispatchRow(
         "patternProperties",

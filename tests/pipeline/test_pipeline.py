@@ -79,12 +79,13 @@ async def test_n_choices_are_each_valid(pipe: Pipeline) -> None:
 async def test_bad_schema_fails_before_decode_with_400(pipe: Pipeline) -> None:
     body = {
         "messages": [{"role": "user", "content": "go"}],
-        "response_format": schema_format({"type": "array", "uniqueItems": True, "items": {"type": "integer"}}),
+        "response_format": schema_format({"type": "array", "minItems": 3, "maxItems": 1}),
     }
     handle = await pipe.submit(body)
     with pytest.raises(GrammarError) as info:
         await handle.result()
-    assert info.value.status == 400 and "uniqueItems" in info.value.message
+    assert info.value.status == 400 and info.value.field == "response_format.json_schema.schema"
+    assert pipe.metrics.tokens_generated == 0
 
 
 async def test_bad_image_fails_only_its_request(pipe: Pipeline) -> None:
