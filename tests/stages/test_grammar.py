@@ -266,3 +266,23 @@ def test_schema_corpus_compiles_or_is_refused_with_400(schema_corpus: list[Corpu
     # a valid instance the grammar rejects is over-restriction (key order, strict mode's closed
     # objects, number formatting); it never makes an output invalid, but it should stay the exception
     assert accepted > 3 * rejected
+
+
+async def test_huge_schemas_do_not_hold_the_xgrammar_slots(stage: GrammarStage) -> None:
+    """Two distinct 5,000-property schemas: xgrammar took minutes and 0.6-0.9 GB each; they go to
+    llguidance (about 0.35 s each here) and leave both xgrammar slots free for everyone else."""
+    big = [{"type": "object", "properties": {f"{tag}{j}": {"type": "string"} for j in range(5000)}} for tag in "ab"]
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            results: list[CompiledConstraint] = []
+
+            async def compile_big(schema: dict[str, Any]) -> None:
+                results.append(await stage.compile(GrammarSpec("json_schema", schema)))
+
+            for schema in big:
+                tg.start_soon(compile_big, schema)
+            await anyio.wait_all_tasks_blocked()
+            assert stage.limiter.borrowed_tokens == 0
+    assert [r.backend for r in results] == ["llguidance"] * 2
+    assert all(r.reason.startswith("large schema") for r in results)
