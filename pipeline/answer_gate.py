@@ -1,5 +1,5 @@
 """AnswerGate: a structured answer leaves with finish_reason ``stop`` only after its whole text passes
-the request's whole constraint (DESIGN rule 7: no grammar engine is trusted to be complete).
+the request's whole constraint (rule 7 of the README: no grammar engine is trusted to be complete).
 
 Without streaming, a guided choice's deltas are held until it finishes; an answer that fails the
 check is never shown, and the handle samples that choice again (``resample_params``). With

@@ -1,7 +1,7 @@
 """Structured-output constraints in every spelling clients bring, and the unknown-field rule.
 
 A request written for another server must never come back 200 with unconstrained text because
-we did not know its field (DESIGN rule 7). So this module does two things:
+we did not know its field (rule 7 of the README). So this module does two things:
 
 * ``parse_constraint(body)`` reads every constraint spelling below into one ``GrammarSpec`` whose
   ``field`` says exactly where the constraint came from, and refuses (400) a request that carries

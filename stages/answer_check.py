@@ -1,6 +1,6 @@
 """The answer check: the last gate of a structured answer before it leaves with finish_reason "stop".
 
-DESIGN rule 7: no grammar engine is trusted to be complete. Measured on xgrammar 0.2.8 (non-strict schemas), the
+Rule 7 of the README: no grammar engine is trusted to be complete. Measured on xgrammar 0.2.8 (non-strict schemas), the
 grammar lets through duplicate keys, ``maxLength`` beside a ``pattern``, ``multipleOf``, format details (ipv4
 ``01.2.3.4``, date ``0053-02-30``), lone-surrogate escapes (``"\\ud800"``) and numbers past a double (``1e400``),
 and its regex ``.`` matches a newline. So every answer is parsed strictly and checked against the whole

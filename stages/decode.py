@@ -45,7 +45,7 @@ class DecodeStage:
         :raises ImageDecodeError: not a supported, intact image.
         :raises PayloadTooLarge: over the pixel cap.
         """
-        # Cancellation (DESIGN rule 3). A caller cancelled while it waits for a limiter token leaves
+        # Cancellation (rule 3 of the README). A caller cancelled while it waits for a limiter token leaves
         # without any work done. Once the work is in a thread, to_thread.run_sync (abandon_on_cancel
         # left False) waits for it inside a shielded scope and returns the limiter token only when the
         # thread has finished, so cancelled work never piles up behind the limiter; it then returns

@@ -26,7 +26,7 @@ from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, R
 __all__ = ["FetchStage"]
 
 _CHUNK = 64 * 1024
-_INLINE_BASE64_LIMIT = 256 * 1024  # larger payloads are decoded in a worker thread (rule 1)
+_INLINE_BASE64_LIMIT = 256 * 1024  # larger payloads are decoded in a worker thread (rule 1 of the README)
 _REDIRECTS = (301, 302, 303, 307, 308)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 # S3 and many CDNs serve uploads as octet-stream; the decode stage checks the bytes themselves
