@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 
@@ -16,7 +15,6 @@ from pipeline.pipeline import Pipeline
 
 __all__ = ["create_app"]
 
-log = logging.getLogger("pipeline.server")
 PIPELINE_KEY = web.AppKey("pipeline", Pipeline)
 JSON_LIMITER_KEY = web.AppKey("json_limiter", anyio.CapacityLimiter)
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -28,8 +26,7 @@ def error_response(error: PipelineError) -> web.Response:
     headers = {}
     if isinstance(error, Overloaded):
         headers["Retry-After"] = str(max(1, round(error.retry_after)))
-    if error.status >= 500 and not isinstance(error, Overloaded):
-        log.error("request %s failed in %s: %s", error.request_id, error.stage, error.message)
+    # a 5xx was logged once, with its traceback and request id, where it happened
     return web.json_response({"error": error.to_dict()}, status=error.status, headers=headers)
 
 

@@ -19,7 +19,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.errors import PipelineError, RequestCancelled
+from pipeline.errors import Overloaded, PipelineError, RequestCancelled
 from pipeline.metrics import StageMetrics
 from pipeline.trace import Tracer
 from pipeline.types import Outcome
@@ -157,6 +157,8 @@ class StageWorkers:
                 job._scope = scope
                 await self.step(job)
         except PipelineError as exc:
+            if exc.status >= 500 and not isinstance(exc, Overloaded):  # a fault, not bad input: keep its cause
+                logger.error("request %s failed in stage %s: %s", job.request_id, self.name, exc, exc_info=True)
             self.metrics.errors[type(exc).__name__] += 1
             job.fail(exc.bind(stage=self.name, request_id=job.request_id))
         except Exception as exc:  # a bug in a stage: a 500 for this request only, logged with its traceback

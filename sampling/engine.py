@@ -157,8 +157,8 @@ class LLMEngine:
                 tokens, accepted = self._sample(seqs, logits, filled, timing)
                 outputs = self._commit(seqs, tokens, accepted, timing)
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
-            logger.exception("engine step failed; failing the step's sequences")
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
+            logger.exception("engine step failed; failing requests %s", sorted({s.request_id for s in failed}))
             return refused + [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
         ended = time.perf_counter()
         timing.total = ended - started

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,7 +116,9 @@ async def test_image_server_faults_fail_only_their_requests(pipe: Pipeline, faul
     await assert_released(pipe)
 
 
-async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_vision_encoder_failure_fails_only_that_image(
+    pipe: Pipeline, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     assert pipe.encoder is not None
     real = pipe.encoder.encode
 
@@ -132,6 +135,10 @@ async def test_vision_encoder_failure_fails_only_that_image(pipe: Pipeline, monk
     assert results[0].completion_tokens == 2 and results[2].completion_tokens == 2
     assert isinstance(results[1], PipelineError) and results[1].status == 500
     assert "simulated encoder fault" in results[1].message and results[1].stage == "vision"
+    # logged once, with its traceback, under the request id the client gets back
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and results[1].request_id in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    assert "simulated encoder fault" in logging.Formatter().formatException(logged[0].exc_info)
 
 
 class SlowForOne:
@@ -165,7 +172,9 @@ async def test_grammar_failure_and_deadline(pipe: Pipeline, monkeypatch: pytest.
     await assert_released(pipe)
 
 
-async def test_engine_step_raising_for_one_sequence(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_engine_step_raising_for_one_sequence(
+    pipe: Pipeline, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     runner = pipe.engine.engine.runner
     poison = pipe.checkpoint.tokenizer.encode("POISONED", add_special_tokens=False)
     real = runner.prefill
@@ -180,5 +189,7 @@ async def test_engine_step_raising_for_one_sequence(pipe: Pipeline, monkeypatch:
     with anyio.fail_after(30):
         results = await _outcomes(pipe, bodies)
     assert isinstance(results[1], EngineError) and "simulated device fault" in results[1].message
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and results[1].request_id in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
     assert results[0].completion_tokens == 4 and results[2].completion_tokens == 4
     await assert_released(pipe)
