@@ -160,3 +160,56 @@ async def test_metrics_are_prometheus_text(served: Served) -> None:
             text = await resp.text()
     assert 'pipeline_stage_latency_seconds_count{stage="template"} 1' in text
     assert "pipeline_tokens_generated_total 2" in text
+
+
+# Three distinct items out of two values: the grammar holds the enum and the length, only the answer
+# check sees the repeat, so every answer fails it.
+IMPOSSIBLE = {
+    "type": "array",
+    "items": {"type": "integer", "enum": [0, 1]},
+    "minItems": 3,
+    "maxItems": 3,
+    "uniqueItems": True,
+}
+
+
+async def test_an_answer_that_fails_its_check_is_a_422_with_the_path(served: Served) -> None:
+    body = {
+        "messages": user("numbers"),
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": IMPOSSIBLE}},
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{served.base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 422
+            error = (await resp.json())["error"]
+        assert error["type"] == "invalid_answer" and error["reason"] == "uniqueItems" and error["path"] == ""
+        async with session.post(f"{served.base}/v1/chat/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["error"]["type"] == "invalid_answer"  # in-band, as OpenAI reports mid-stream errors
+    reasons = [c["finish_reason"] for chunk in chunks[:-1] for c in chunk["choices"]]
+    assert "stop" not in reasons  # the failing answer never claims to be complete
+    await assert_released(served.pipe)
+
+
+async def test_vllm_spelling_through_the_openai_client(served: Served) -> None:
+    completion = await served.client.chat.completions.create(
+        model="m",
+        messages=user("pick"),  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["left", "right"]}},
+    )
+    assert completion.choices[0].message.content in ("left", "right")
+    with pytest.raises(openai.BadRequestError) as info:
+        await served.client.chat.completions.create(
+            model="m",
+            messages=user("x"),
+            max_tokens=2,
+            extra_body={"guided_jsn": {}},  # type: ignore[arg-type]
+        )
+    assert "guided_jsn" in str(info.value)
