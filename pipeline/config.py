@@ -68,6 +68,9 @@ class PipelineConfig:
     # (p50 1.5 ms, p90 10 ms on the dev corpus; xgrammar: p50 22 ms, p90 1-2 s) and served with it;
     # the xgrammar compile finishes in the background and serves the requests after it.
     grammar_xgrammar_budget_s: float = 0.05
+    # "auto": each request's backend from its features (stages/grammar_dispatch.py); "xgrammar" or
+    # "llguidance" forces one (llguidance where it can compile the kind), for benchmarks and operators
+    grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 30.0
     # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
     # writes "{" followed by whitespace until max_tokens.
@@ -111,6 +114,10 @@ class PipelineConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be positive, got {value}")
+        if self.grammar_backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError(
+                f"PipelineConfig.grammar_backend must be auto, xgrammar or llguidance, got {self.grammar_backend!r}"
+            )
         if self.answer_resample_attempts < 0:
             raise ValueError("PipelineConfig.answer_resample_attempts must be >= 0")
         if self.max_redirects < 0:

@@ -73,6 +73,7 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         cache_bytes=config.grammar_cache_bytes,
         max_concurrent=config.grammar_max_concurrent_compiles,
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
+        backend=config.grammar_backend,
     )
 
 

@@ -79,7 +79,11 @@ class GrammarStage:
         cache_bytes: int = 512 * 1024 * 1024,
         max_concurrent: int = 2,
         xgrammar_budget_s: float = 0.5,
+        backend: str = "auto",
     ) -> None:
+        if backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError(f"backend must be auto, xgrammar or llguidance, got {backend!r}")
+        self.backend = backend  # "auto": per request by the dispatch table; else forced (benchmarks, operators)
         self.compilers: dict[str, XGrammarCompiler | LLGuidanceCompiler] = {
             "xgrammar": xgrammar,
             "llguidance": llguidance,
@@ -189,6 +193,10 @@ class GrammarStage:
         return flight
 
     async def _resolve(self, spec: GrammarSpec) -> Outcome[CompiledConstraint]:
+        if self.backend == "llguidance" and spec.kind in LLGUIDANCE_KINDS:
+            return await self._await("llguidance", "forced by config", spec)
+        if self.backend != "auto":
+            return await self._await("xgrammar", "forced by config", spec)
         dispatch = choose_backend(spec)
         if dispatch.backend == "llguidance":
             flight = await self._await("llguidance", dispatch.reason, spec)
