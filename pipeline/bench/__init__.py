@@ -18,6 +18,7 @@ SCENARIOS = {
     "guided": "guided",
     "tpot-under-load": "tpot_under_load",
     "compile": "compile",
+    "schemas": "schemas",
     "overload": "overload",
 }
 
