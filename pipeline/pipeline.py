@@ -199,10 +199,13 @@ class Pipeline:
             self._idle = anyio.Event()
 
     async def wait_idle(self) -> None:
-        """Return once no request is in the stages and no grammar compile is running."""
+        """Return once no request is in the stages, no grammar compile is running and no image batch
+        is being encoded."""
         if self._pending:
             await self._idle.wait()
         await self.preparation.grammar.wait_idle()
+        if self.preparation.vision is not None:
+            await self.preparation.vision.wait_idle()
 
     @property
     def num_pending(self) -> int:

@@ -90,6 +90,13 @@ class VisionEncodeStage:
                 break
         return batch
 
+    async def wait_idle(self) -> None:
+        """Return once no batch is being encoded (a cancelled request's batch finishes in its thread,
+        holding its limiter token, after the request has left)."""
+        while self.limiter.borrowed_tokens:
+            async with self.limiter:  # one token frees: check again
+                pass
+
     async def _encode_batch(self, batch: list[_Pending], slot: object) -> None:
         try:
             await self._encode([p for p in batch if not p.abandoned])

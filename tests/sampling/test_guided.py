@@ -75,6 +75,7 @@ def test_n4_guided_json_outputs_each_validate(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 60 s alone; a loaded machine can take several times that
 def test_corpus_grammars_of_both_backends_decode_in_one_batch(
     schema_corpus: list[CorpusEntry], new_engine: NewEngine, hf_tokenizer: Any
 ) -> None:
