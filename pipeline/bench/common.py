@@ -21,6 +21,7 @@ __all__ = [
     "ImageServer",
     "jpeg_bytes",
     "jpeg_data_url",
+    "load_average",
     "machine",
     "median",
     "percentile",
@@ -64,6 +65,11 @@ def machine() -> str:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpu}"
+
+
+def load_average() -> float:
+    """The 1-minute load average: how busy a shared machine was around a run (compare with its cores)."""
+    return round(os.getloadavg()[0], 2)
 
 
 def print_table(headers: list[str], rows: list[list[Any]]) -> None:

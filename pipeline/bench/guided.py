@@ -2,12 +2,19 @@
 and our guided TPOT ÷ transformers' ``generate`` with xgrammar's logits processor.
 
 Drives the decode engine directly (no request pipeline) with the same prompts and the same output
-lengths: the guided run goes first, under a schema whose shortest valid output is longer than
-``--steps`` tokens (so every sequence runs to ``max_tokens``), then the plain run uses
-``ignore_eos`` and ``max_tokens`` equal to the guided sequences' lengths. TPOT is the median time
-of the decode steps that ran the whole batch: prefill and the ramp-up while the batch fills are
-excluded. The step timeline shows what overlaps the forward pass (the bitmask fill) and what adds
-to it (apply, sample, accept).
+lengths. The engine admits one prefill per step, so a batch of B fills over B steps and empties over
+B more: every sequence generates ``--steps`` + B tokens, which gives ``--steps`` decode steps that
+run the whole batch. TPOT is the median time of those steps (prefill and the ramps are excluded).
+
+Each repeat runs interleaved pairs, a plain run and then a guided run, for each backend (the same
+schema compiled by both): the guided run is under a schema whose shortest valid output is longer
+than ``max_tokens`` (so every sequence runs to it), the plain run uses ``ignore_eos``. A pair's
+ratio is the guided TPOT ÷ the plain TPOT just before it, so drift of a shared machine cancels
+within a pair; the median over pairs is reported with their quartiles, min and max. Each repeat
+ends with transformers' ``generate`` on the same prompts and the same xgrammar grammar: its TPOT is
+the time of ``--steps`` + 2 tokens less that of 2 (prefill excluded), and ours ÷ its is taken within
+the repeat too. The step timeline shows what overlaps the forward pass (the bitmask fill) and what
+adds to it (apply, sample, accept).
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pipeline.bench.common import machine, median, print_table, write_outputs
+from pipeline.bench.common import load_average, machine, median, percentile, print_table, write_outputs
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.engine_factory import build_llm_engine
+from pipeline.preparation import build_grammar_stage
+from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine, StepTiming
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
@@ -32,6 +41,7 @@ from vision.checkpoint import open_checkpoint
 __all__ = ["add_arguments", "guided_schema", "run", "run_guided"]
 
 PARTS = ("forward", "fill", "wait", "apply", "sample", "copy", "accept", "total")
+BACKENDS = ("xgrammar", "llguidance")
 
 
 def guided_schema(num_fields: int) -> dict[str, Any]:
@@ -47,11 +57,13 @@ def guided_schema(num_fields: int) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
+    # short runs, many pairs: the two runs of a pair are close in time, so a shared machine's load
+    # changes less between them
+    parser.add_argument("--steps", type=int, default=32, help="full-batch decode steps timed per run")
     parser.add_argument(
         "--repeats",
         type=int,
-        default=3,
+        default=9,
         help="interleaved plain-guided pairs per backend and batch size; the median ratio is reported",
     )
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -60,13 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="folder for guided.json and guided.png")
 
 
-def _run_once(
-    engine: LLMEngine, prompts: list[list[int]], grammar: Any, lengths: list[int], tag: str
-) -> tuple[list[StepTiming], list[int]]:
-    """Full-batch decode steps of one run, and each sequence's number of generated tokens."""
+def _run_once(engine: LLMEngine, prompts: list[list[int]], grammar: Any, steps: int, tag: str) -> list[StepTiming]:
+    """The ``steps`` full-batch decode steps of one run (each sequence generates ``steps`` + batch tokens).
+
+    :raises RuntimeError: if a sequence ends early or the batch ran fewer full steps (runs would not compare).
+    """
     engine.timeline.clear()
-    for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
-        params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=grammar is None)
+    num_tokens = steps + len(prompts)  # the ramps: one sequence joins per step, and leaves per step
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=grammar is None)
         engine.add(EngineInput(f"{tag}-{i}", prompt, 10, None, params, grammar))
     generated = [0] * len(prompts)
     while engine.has_work():
@@ -74,49 +88,146 @@ def _run_once(
             if out.finish_reason not in (None, "length"):
                 raise RuntimeError(f"{out.request_id} ended with {out.finish_reason}: the lengths would differ")
             generated[int(out.request_id.rsplit("-", 1)[1])] += len(out.token_ids)
-    return [t for t in engine.timeline if t.kind == "decode" and t.batch == len(prompts)], generated
+    if generated != [num_tokens] * len(prompts):
+        raise RuntimeError(f"{tag}: generated {generated} tokens, not {num_tokens} each")
+    full = [t for t in engine.timeline if t.kind == "decode" and t.batch == len(prompts)]
+    if len(full) < steps:
+        raise RuntimeError(f"{tag}: {len(full)} full-batch decode steps, not {steps}: did the scheduler change?")
+    return full
 
 
 def _means(steps: list[StepTiming]) -> dict[str, float]:
     return {p: statistics.fmean(getattr(t, p) for t in steps) * 1000 if steps else 0.0 for p in PARTS}
 
 
-def _hf_tpot(model: Any, prompts: list[list[int]], grammar: Any, steps: int) -> float:
-    """transformers' ``generate`` with xgrammar's logits processor: seconds per output token (the
-    time of ``steps`` tokens less that of 2, so prefill is excluded)."""
+def _load_hf_model(checkpoint: Any, device: str) -> Any:
+    """The checkpoint as a transformers model (Llava: the language model is its Mistral part)."""
+    import transformers
+
+    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint.path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], grammar: Any, num_tokens: int) -> float:
+    """Seconds for transformers' ``generate`` of ``num_tokens`` greedy tokens per prompt (left-padded),
+    with xgrammar's logits processor (a new one per call: it cannot be reused)."""
     from xgrammar.contrib.hf import LogitsProcessor
 
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    seconds = {}
-    for n in (2, steps):
-        with torch.inference_mode():
-            started = time.perf_counter()
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                logits_processor=[LogitsProcessor([grammar] * len(prompts))],
-                pad_token_id=0,
-            )
-            seconds[n] = time.perf_counter() - started
-    return (seconds[steps] - seconds[2]) / (steps - 2)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            logits_processor=[LogitsProcessor([grammar] * len(prompts))],
+            pad_token_id=0,
+        )
+        seconds = time.perf_counter() - started
+    if out.shape[1] != width + num_tokens:
+        raise RuntimeError(f"generate() gave {out.shape[1] - width} tokens, not {num_tokens}")
+    return seconds
 
 
-def _spread(values: list[float]) -> str:
-    return f"{min(values):.2f}-{max(values):.2f}"
+def _hf_tpot(model: Any, prompts: list[list[int]], grammar: Any, steps: int) -> float:
+    """transformers' ``generate`` with xgrammar: seconds per output token, prefill excluded (the time
+    of ``steps`` + 2 tokens less that of 2)."""
+    short, full = _hf_generate(model, prompts, grammar, 2), _hf_generate(model, prompts, grammar, steps + 2)
+    return (full - short) / steps
+
+
+def _summary(values: list[float], key: str) -> dict[str, Any]:
+    """``key``: the median of ``values``; with its quartiles, min, max and every value."""
+    return {
+        key: round(median(values), 3),
+        f"{key}_p25": round(percentile(values, 25), 3),
+        f"{key}_p75": round(percentile(values, 75), 3),
+        f"{key}_min": round(min(values), 3),
+        f"{key}_max": round(max(values), 3),
+        f"{key}_all": [round(v, 3) for v in values],
+    }
+
+
+def _measure_batch(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    grammars: dict[str, Any],
+    hf_model: Any,
+    args: argparse.Namespace,
+    progress: Any,
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """One batch size: a result row per backend and the step timeline of each run kind."""
+    batch = len(prompts)
+    for grammar in (None, *grammars.values()):
+        _run_once(engine, prompts, grammar, 4, "warm")
+    if hf_model is not None:
+        _hf_generate(hf_model, prompts, grammars["xgrammar"], 2)  # warm-up: the first call is slow
+    ratios: dict[str, list[float]] = {name: [] for name in grammars}
+    over_hf: dict[str, list[float]] = {name: [] for name in grammars}
+    tpots: dict[str, list[float]] = {name: [] for name in (*grammars, "plain", "hf")}
+    step_log: dict[str, list[StepTiming]] = {name: [] for name in (*grammars, "plain")}
+    for r in range(args.repeats):
+        for name, grammar in grammars.items():
+            plain = _run_once(engine, prompts, None, args.steps, f"p{name}{batch}-{r}")
+            guided = _run_once(engine, prompts, grammar, args.steps, f"g{name}{batch}-{r}")
+            tp, tg = median([t.total for t in plain]), median([t.total for t in guided])
+            ratios[name].append(tg / tp)
+            tpots["plain"].append(tp)
+            tpots[name].append(tg)
+            step_log["plain"] += plain
+            step_log[name] += guided
+            progress.update(2)
+        if hf_model is not None:
+            hf = _hf_tpot(hf_model, prompts, grammars["xgrammar"], args.steps)
+            tpots["hf"].append(hf)
+            for name in grammars:
+                over_hf[name].append(tpots[name][-1] / hf)  # ours (this repeat's guided run) ÷ theirs
+            progress.update(1)
+    rows = []
+    for name in grammars:
+        row: dict[str, Any] = {
+            "batch": batch,
+            "backend": name,
+            "tpot_ms_plain": round(median(tpots["plain"]) * 1000, 3),
+            "tpot_ms_guided": round(median(tpots[name]) * 1000, 3),
+            **_summary(ratios[name], "ratio"),
+            # the best run of each kind: what the machine gives without other load, a cross-check
+            "ratio_of_best": round(min(tpots[name]) / min(tpots["plain"]), 3),
+        }
+        if tpots["hf"]:
+            row["tpot_ms_hf_generate_xgrammar"] = round(median(tpots["hf"]) * 1000, 3)
+            row.update(_summary(over_hf[name], "ours_over_hf"))
+        rows.append(row)
+    return rows, {f"{batch} {name}": _means(log) for name, log in step_log.items()}
+
+
+def _print_results(results: list[dict[str, Any]]) -> None:
+    def span(row: dict[str, Any], key: str, low: str, high: str) -> str:
+        return f"{row[f'{key}_{low}']:.2f}-{row[f'{key}_{high}']:.2f}" if key in row else "-"
+
+    header = ["batch", "backend", "TPOT plain ms", "guided ms", "ratio", "IQR", "min-max", "best÷best"]
+    header += ["HF generate+xgrammar ms", "ours ÷ HF", "IQR", "min-max"]
+    rows = []
+    for r in results:
+        cells = [r["batch"], r["backend"], r["tpot_ms_plain"], r["tpot_ms_guided"], r["ratio"]]
+        cells += [span(r, "ratio", "p25", "p75"), span(r, "ratio", "min", "max"), r["ratio_of_best"]]
+        cells += [r.get("tpot_ms_hf_generate_xgrammar", "-"), r.get("ours_over_hf", "-")]
+        cells += [span(r, "ours_over_hf", "p25", "p75"), span(r, "ours_over_hf", "min", "max")]
+        rows.append(cells)
+    print_table(header, rows)
+    print("(ratio: median over pairs of guided TPOT ÷ the plain TPOT measured just before it, target ≤ 1.05;")
+    print(" ours ÷ HF: our guided TPOT ÷ transformers' generate() with xgrammar's logits processor, same prompts,")
+    print(" schema and repeat; TPOT columns: medians; IQR: the pairs' quartiles; best÷best: the fastest guided")
+    print(" run's TPOT ÷ the fastest plain run's, a cross-check less sensitive to other load on the machine)")
 
 
 def run_guided(args: argparse.Namespace) -> dict[str, Any]:
     """Run the scenario; print its tables and return ``{"scenario": "guided", "results": [...]}``."""
-    import transformers
-
-    from pipeline.preparation import build_grammar_stage
-    from pipeline.types import GrammarSpec
-
+    load = [load_average()]
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,87 +238,54 @@ def run_guided(args: argparse.Namespace) -> dict[str, Any]:
         max_running_seqs=max(batches),
         max_model_len=1024,
         kv_block_size=16,
-        num_kv_blocks=max(batches) * (-(-(args.steps + 64) // 16)),  # prompt (< 64 tokens) + steps, each sequence
+        # each sequence: its prompt (< 64 tokens) and steps + batch tokens
+        num_kv_blocks=max(batches) * (-(-(args.steps + max(batches) + 64) // 16)),
     )
     engine = build_llm_engine(checkpoint, config, device=device, record_timeline=True)
-    spec = GrammarSpec("json_schema", guided_schema(args.steps + 1))
+    spec = GrammarSpec("json_schema", guided_schema(args.steps + max(batches) + 1))
     compilers = build_grammar_stage(config, checkpoint).compilers
-    grammars = {name: compiler.compile(spec).grammar for name, compiler in compilers.items()}
-    hf_model: Any = None
-    if not args.no_hf:
-        hf_model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint.path, dtype=torch.float32)
-        hf_model = hf_model.to(device).eval()
+    grammars = {name: compilers[name].compile(spec).grammar for name in BACKENDS}
+    hf_model = None if args.no_hf else _load_hf_model(checkpoint, device)
     results: list[dict[str, Any]] = []
     timelines: dict[str, dict[str, float]] = {}
-    steps_per_repeat = 2 * len(grammars)
-    with tqdm(total=len(batches) * args.repeats * steps_per_repeat, desc="guided", file=sys.stderr) as progress:
+    per_repeat = 2 * len(grammars) + (hf_model is not None)
+    with tqdm(total=len(batches) * args.repeats * per_repeat, desc="guided", file=sys.stderr) as progress:
         for batch in batches:
             prompts = [
                 tokenizer.encode(f"[INST]Write note {i} about the sea.[/INST]", add_special_tokens=False)
                 for i in range(batch)
             ]
-            for grammar in grammars.values():
-                _run_once(engine, prompts, grammar, [4] * batch, "warm")
-            ratios: dict[str, list[float]] = {name: [] for name in grammars}
-            tpots: dict[str, list[float]] = {name: [] for name in (*grammars, "plain")}
-            step_log: dict[str, list[StepTiming]] = {name: [] for name in (*grammars, "plain")}
-            for r in range(args.repeats):
-                # interleaved pairs: each guided run is divided by the plain run just before it, so
-                # drift of the machine (other load, thermal) cancels within a pair
-                for name, grammar in grammars.items():
-                    plain, plain_lengths = _run_once(engine, prompts, None, [args.steps] * batch, f"p{name}{batch}-{r}")
-                    guided, lengths = _run_once(engine, prompts, grammar, [args.steps] * batch, f"g{name}{batch}-{r}")
-                    assert plain_lengths == lengths == [args.steps] * batch, (name, lengths, plain_lengths)
-                    tp, tg = median([t.total for t in plain]), median([t.total for t in guided])
-                    ratios[name].append(tg / tp)
-                    tpots["plain"].append(tp)
-                    tpots[name].append(tg)
-                    step_log["plain"] += plain
-                    step_log[name] += guided
-                    progress.update(2)
-            for name, log in step_log.items():
-                timelines[f"{batch} {name}"] = _means(log)
-            hf = _hf_tpot(hf_model, prompts, grammars["xgrammar"], args.steps) if hf_model is not None else None
-            row: dict[str, Any] = {"batch": batch, "tpot_ms_plain": round(median(tpots["plain"]) * 1000, 3)}
-            for name in grammars:
-                row[f"tpot_ms_{name}"] = round(median(tpots[name]) * 1000, 3)
-                row[f"ratio_{name}"] = round(median(ratios[name]), 3)
-                row[f"ratio_{name}_spread"] = _spread(ratios[name])
-            if hf is not None:
-                row["tpot_ms_hf_generate_xgrammar"] = round(hf * 1000, 3)
-                row["ours_over_hf"] = round(median(tpots["xgrammar"]) / hf, 3)
-            results.append(row)
+            rows, timeline = _measure_batch(engine, prompts, grammars, hf_model, args, progress)
+            results += rows
+            timelines.update(timeline)
     threads = torch.get_num_threads()
+    load.append(load_average())
     print(
-        f"\nguided: {args.steps} tokens per sequence, greedy, {args.repeats} interleaved pairs per backend, "
-        f"{device}, torch threads {threads}, {machine()}"
+        f"\nguided: {args.steps} full-batch steps per run, greedy, {args.repeats} interleaved pairs per backend, "
+        f"{device}, torch threads {threads}, {machine()}, load {load[0]} -> {load[1]}"
     )
-    names = list(grammars)
-    header = ["batch", "TPOT plain ms"]
-    for name in names:
-        header += [f"{name} ms", f"{name} ratio", "spread"]
-    header += ["HF generate+xgrammar ms", "ours ÷ HF"]
-    rows = []
-    for result in results:
-        cells = [result["batch"], result["tpot_ms_plain"]]
-        for name in names:
-            cells += [result[f"tpot_ms_{name}"], result[f"ratio_{name}"], result[f"ratio_{name}_spread"]]
-        cells += [result.get("tpot_ms_hf_generate_xgrammar", "-"), result.get("ours_over_hf", "-")]
-        rows.append(cells)
-    print_table(header, rows)
-    print("(ratio: median over pairs of guided TPOT ÷ the plain TPOT measured just before it; ours ÷ HF: xgrammar)")
+    _print_results(results)
     print("\nstep timeline (mean ms of full-batch decode steps; fill runs while the forward pass runs)")
     print_table(["run", *PARTS], [[name, *(t[p] for p in PARTS)] for name, t in timelines.items()])
-    figures = {"scenario": "guided", "results": results}
+    figures = {"scenario": "guided", "results": results, "machine": machine(), "load": load}
 
     def plot(ax: Any) -> None:
-        xs = [str(r["batch"]) for r in results]
-        ax.bar([x + " plain" for x in xs], [r["tpot_ms_plain"] for r in results])
-        for name in names:
-            ax.bar([x + f" {name}" for x in xs], [r[f"tpot_ms_{name}"] for r in results])
-        ax.set_ylabel("time per output token (ms)")
+        for name in grammars:
+            mine = [r for r in results if r["backend"] == name]
+            ax.errorbar(
+                [str(r["batch"]) for r in mine],
+                [r["ratio"] for r in mine],
+                yerr=[[r["ratio"] - r["ratio_min"] for r in mine], [r["ratio_max"] - r["ratio"] for r in mine]],
+                fmt="o-",
+                capsize=4,
+                label=name,
+            )
+        ax.axhline(1.05, linestyle=":", color="grey", label="target")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("guided TPOT ÷ plain TPOT (median pair, min-max)")
+        ax.legend()
 
-    extra = {"timeline_ms": timelines, "machine": machine(), "torch_threads": threads, "device": device}
+    extra = {"timeline_ms": timelines, "torch_threads": threads, "device": device}
     write_outputs(args.out, "guided", {**figures, **extra}, plot)
     return figures
 
