@@ -21,19 +21,22 @@ def build_llm_engine(
     device: str,
     tracer: Tracer | None = None,
     record_timeline: bool = False,
+    runner: ModelRunner | None = None,
 ) -> LLMEngine:
-    """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly)."""
+    """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly);
+    ``runner``: the model and KV cache of another engine built from the same config, to share."""
     tokenizer_info = checkpoint.tokenizer_info
     num_blocks = config.num_kv_blocks or config.max_running_seqs * blocks_needed(
         config.max_model_len // 4, config.kv_block_size
     )
-    runner = ModelRunner(
-        checkpoint,
-        device=device,
-        max_model_len=config.max_model_len,
-        num_blocks=num_blocks,
-        block_size=config.kv_block_size,
-    )
+    if runner is None:
+        runner = ModelRunner(
+            checkpoint,
+            device=device,
+            max_model_len=config.max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.kv_block_size,
+        )
     return LLMEngine(
         runner,
         TokenBytes.from_tokenizer(tokenizer_info, checkpoint.tokenizer),
@@ -43,6 +46,7 @@ def build_llm_engine(
         chunk_tokens=config.prefill_chunk_tokens,
         record_timeline=record_timeline,
         tracer=tracer,
+        one_step_ahead=config.engine_one_step_ahead,
     )
 
 

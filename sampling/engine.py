@@ -5,9 +5,13 @@ fills the grammar bitmask for the step while the calling thread runs the forward
 its kernels); ``sample()`` applies the mask to the guided rows, samples and copies the tokens back;
 ``commit()`` accepts them into the matchers in one batched call and advances the sequences.
 
-Every torch op of a step runs on the calling thread, the fill thread runs only xgrammar: torch's
-OpenMP pool belongs to the thread that calls it, and a forward on one thread beside sampling on
-another gives two pools that spin against each other (on 2 cores: decode steps 30% slower).
+With ``one_step_ahead`` the same pieces run pipelined (sampling/ahead.py): the next decode's forward is
+launched before the last step's tokens are committed, and the host commits them while it runs.
+
+Every torch op of a step runs on one thread (the calling thread; one step ahead, the device thread),
+the fill thread runs only xgrammar: torch's OpenMP pool belongs to the thread that calls it, and a
+forward on one thread beside sampling on another gives two pools that spin against each other (on 2
+cores: decode steps 30% slower).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from sampling.ahead import OneStepAhead
 from sampling.detokenizer import Detokenizer, TokenBytes
 from sampling.guided import GuidedDecoder, new_matcher
 from sampling.inputs import EngineInput, SeqOutput
@@ -33,26 +38,11 @@ from sampling.sampler import greedy_ids, sample
 from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
 from sampling.sequence import SeqState, Sequence
 from sampling.stop import StopChecker
+from sampling.timeline import StepTiming
 
 __all__ = ["LLMEngine", "StepTiming"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """Seconds spent in each part of one step (for the benchmark's timeline)."""
-
-    kind: str
-    batch: int
-    forward: float = 0.0
-    fill: float = 0.0  # on the fill thread, concurrent with forward
-    wait: float = 0.0  # waiting for the fill after the forward (the part of the fill not hidden)
-    apply: float = 0.0
-    sample: float = 0.0
-    copy: float = 0.0
-    accept: float = 0.0
-    total: float = 0.0
 
 
 @dataclass
@@ -75,6 +65,7 @@ class LLMEngine:
         chunk_tokens: int = 2048,
         record_timeline: bool = False,
         tracer: Any = None,
+        one_step_ahead: bool = False,
     ) -> None:
         self.runner = runner
         self.token_bytes = token_bytes
@@ -94,6 +85,8 @@ class LLMEngine:
         self.lazy_mask = True  # skip the mask for greedy rows whose choice the grammar allows (exact)
         self.timeline: list[StepTiming] = []
         self.tracer = tracer  # anything with pipeline.trace.Tracer's span(): one span per step
+        # the decode loop one step ahead (sampling/ahead.py); None: the synchronous loop
+        self.ahead = OneStepAhead(self) if one_step_ahead else None
 
     # -- requests ---------------------------------------------------------------------------
     def _new_seq(self, inp: EngineInput, index: int, num_siblings: int = 1) -> Sequence:
@@ -133,7 +126,7 @@ class LLMEngine:
             seq.state = SeqState.FINISHED
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.ahead is not None and self.ahead.in_flight is not None)
 
     @property
     def num_requests(self) -> int:
@@ -142,29 +135,48 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[SeqOutput]:
-        """Run one scheduled step; the outputs of every sequence that produced a token."""
+        """Run one scheduled step; the outputs of every sequence that produced a token (one step ahead:
+        of the step before the one it launches)."""
+        if self.ahead is not None:
+            return self.ahead.step()
         schedule = self.scheduler.schedule()
         refused = self._fail_unfit(schedule.unfit)
-        scheduled = schedule.step
-        if scheduled is None:
-            return refused
+        return refused + (self._run(schedule.step) if schedule.step is not None else [])
+
+    def _run(self, scheduled: PrefillStep | DecodeStep) -> list[SeqOutput]:
+        """Launch, sample and commit one step; a step that raises fails its sequences alone."""
         timing = StepTiming("prefill" if isinstance(scheduled, PrefillStep) else "decode", 0)
         started = time.perf_counter()
         try:
             seqs, logits, filled = self._launch(scheduled, timing)
             outputs: list[SeqOutput] = []
             if seqs:
-                tokens, accepted = self._sample(seqs, logits, filled, timing)
+                assert logits is not None
+                ids, accepted = self._sample(seqs, [s.matcher for s in seqs], logits, filled, timing)
+                copied = time.perf_counter()
+                tokens = self.copier.start(ids)()
+                timing.copy = time.perf_counter() - copied
                 outputs = self._commit(seqs, tokens, accepted, timing)
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
-            logger.exception("engine step failed; failing requests %s", sorted({s.request_id for s in failed}))
-            return refused + [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
+            return self._fail_step(failed, exc)
         ended = time.perf_counter()
         timing.total = ended - started
+        self._record(timing, started, ended)
+        return outputs
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> list[SeqOutput]:
+        """Fail those of ``seqs`` still running (an exception in their step: a bug or a device error)."""
+        failed = [s for s in seqs if s.state is not SeqState.FINISHED]
+        if not failed:
+            return []
+        logger.error("engine step failed; failing requests %s", sorted({s.request_id for s in failed}), exc_info=exc)
+        return [out for seq in failed for out in self._fail(seq, f"engine step failed: {exc!r}")]
+
+    def _record(self, timing: StepTiming, started: float, ended: float) -> None:
+        """Keep the step's timing (``record_timeline``) and trace it as a span from ``started`` to ``ended``."""
         if self.record_timeline:
             self.timeline.append(timing)
-        outputs = refused + outputs
         if self.tracer is not None:
             self.tracer.span(
                 timing.kind,
@@ -177,7 +189,6 @@ class LLMEngine:
                 fill_ms=timing.fill * 1e3,
                 sample_ms=timing.sample * 1e3,
             )
-        return outputs
 
     def _fail_unfit(self, unfit: list[Sequence]) -> list[SeqOutput]:
         total = self.scheduler.allocator.num_blocks * self.runner.block_size
@@ -185,7 +196,7 @@ class LLMEngine:
         return [out for seq in unfit for out in self._fail(seq, message)]
 
     def _ensure_matcher(self, seq: Sequence) -> None:
-        if seq.grammar is not None and seq.matcher is None:
+        if seq.grammar is not None and seq.matcher is None and seq.state is not SeqState.FINISHED:
             seq.matcher = new_matcher(seq.grammar, seq.output_ids)
 
     def _launch(
@@ -207,12 +218,7 @@ class LLMEngine:
             seqs = [seq]
         else:
             seqs = step.seqs
-            forward = functools.partial(
-                runner.decode,
-                [s.token_at(s.num_tokens - 1) for s in seqs],
-                [s.num_tokens - 1 for s in seqs],
-                [s.block_table for s in seqs],
-            )
+            forward = functools.partial(self._decode, seqs)
         # On the CPU the fill competes with the forward for the cores: greedy rows of a decode step try
         # their argmax on the matcher first and fill only if it is refused (see _sample).
         defer_greedy = self.lazy_mask and runner.device.type == "cpu" and isinstance(step, DecodeStep)
@@ -238,6 +244,12 @@ class LLMEngine:
                 s.num_computed = s.num_tokens
         timing.batch = len(seqs)
         return seqs, logits, filled
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The decode forward of the synchronous loop: its inputs are built beside it, on the same thread."""
+        runner = self.runner
+        batch = runner.decode_inputs([s.num_tokens - 1 for s in seqs], [s.block_table for s in seqs])
+        return runner.decode([s.token_at(s.num_tokens - 1) for s in seqs], batch)
 
     def _fill(self, seqs: list[Sequence], defer_greedy: bool, timing: StepTiming) -> list[int]:
         """On the fill thread: build missing matchers and fill the step's bitmask rows (but those of
@@ -274,21 +286,26 @@ class LLMEngine:
         return out
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor | None, filled: list[int], timing: StepTiming
-    ) -> tuple[list[int], set[int]]:
-        """Mask, sample and copy back: the tokens of the rows, and the rows whose matchers accepted
-        theirs already (the lazy greedy path)."""
-        assert logits is not None
+        self,
+        seqs: list[Sequence],
+        matchers: list[Any | None],
+        logits: torch.Tensor,
+        filled: list[int],
+        timing: StepTiming,
+    ) -> tuple[torch.Tensor, set[int]]:
+        """Mask and sample: the ids ``[B]`` on the device, and the rows whose matchers accepted theirs
+        already (the lazy greedy path). ``matchers`` are the rows' matchers when the step was filled
+        (None: unguided): one step ahead, an abort on the host may drop a sequence's meanwhile."""
         t0 = time.perf_counter()
-        no_eos = [row for row, s in enumerate(seqs) if s.params.ignore_eos and s.matcher is None]
+        no_eos = [row for row, s in enumerate(seqs) if s.params.ignore_eos and matchers[row] is None]
         if no_eos and self.eos_token_ids:
             no_eos_rows = torch.tensor(no_eos, device=logits.device)[:, None]
             logits[no_eos_rows, torch.tensor(self.eos_token_ids, device=logits.device)] = float("-inf")
         greedy: torch.Tensor | None = None
         accepted: set[int] = set()
         masked, fill_before = filled, timing.fill
-        if self.lazy_mask and logits.device.type == "cpu" and any(s.matcher is not None for s in seqs):
-            greedy, accepted, masked = self._lazy_mask(seqs, logits, filled, timing)
+        if self.lazy_mask and logits.device.type == "cpu" and any(m is not None for m in matchers):
+            greedy, accepted, masked = self._lazy_mask(seqs, matchers, logits, filled, timing)
         if masked:
             self.guided.apply(logits, masked)
             rows = [r for r in masked if seqs[r].params.is_greedy]
@@ -296,16 +313,18 @@ class LLMEngine:
                 greedy[rows] = greedy_ids(logits[rows])
         t1 = time.perf_counter()
         ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy=greedy)
-        t2 = time.perf_counter()
-        tokens = self.copier.start(ids)()
-        t3 = time.perf_counter()
         # the lazy path's accept and fill are timed as such, not as apply
         timing.apply = t1 - t0 - timing.accept - (timing.fill - fill_before)
-        timing.sample, timing.copy = t2 - t1, t3 - t2
-        return tokens, accepted
+        timing.sample = time.perf_counter() - t1
+        return ids, accepted
 
     def _lazy_mask(
-        self, seqs: list[Sequence], logits: torch.Tensor, filled: list[int], timing: StepTiming
+        self,
+        seqs: list[Sequence],
+        matchers: list[Any | None],
+        logits: torch.Tensor,
+        filled: list[int],
+        timing: StepTiming,
     ) -> tuple[torch.Tensor, set[int], list[int]]:
         """Greedy rows without the full-vocabulary mask where that is exact (CPU): the argmax, the rows
         whose matchers accepted it, and the rows that still need the mask.
@@ -317,17 +336,17 @@ class LLMEngine:
         greedy = greedy_ids(logits)
         top = greedy.tolist()
         is_filled = set(filled)
-        deferred = [r for r, s in enumerate(seqs) if s.matcher is not None and r not in is_filled]
+        deferred = [r for r, m in enumerate(matchers) if m is not None and r not in is_filled]
         accepted: set[int] = set()
         check = [r for r in filled if seqs[r].params.is_greedy and not self.guided.allows(r, top[r])]
         if deferred:
             t0 = time.perf_counter()
-            ok = self.guided.try_accept([seqs[r].matcher for r in deferred], [top[r] for r in deferred])
+            ok = self.guided.try_accept([matchers[r] for r in deferred], [top[r] for r in deferred])
             accepted = {r for r, good in zip(deferred, ok, strict=True) if good}
             refused = [r for r in deferred if r not in accepted]
             t1 = time.perf_counter()
             if refused:
-                self.guided.fill([seqs[r].matcher for r in refused], refused)
+                self.guided.fill([matchers[r] for r in refused], refused)
                 check += refused
             timing.accept, timing.fill = t1 - t0, timing.fill + time.perf_counter() - t1
         masked = [r for r in filled if not seqs[r].params.is_greedy]

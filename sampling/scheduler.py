@@ -4,11 +4,16 @@ A step is either one prefill chunk of one sequence or one decode token for every
 Prefill and decode steps alternate while both have work, so a long prompt never stalls running
 decodes for more than one chunk at a time. When KV blocks run out, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its prompt plus what it had generated.
+
+``schedule_ahead()`` serves the engine's one-step-ahead loop: the next decode of the sequences whose
+tokens are still in flight. It decides nothing that ``schedule()`` would decide otherwise; when a
+prefill should run or room must be made, it declines and the loop finishes its in-flight step first.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sampling.kv_cache import BlockAllocator, blocks_needed
@@ -82,12 +87,15 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _blocks_to_admit(self, seq: Sequence) -> int:
+        # the whole prompt plus one decode token, for the sequence and each child it will fork into
+        return blocks_needed(seq.num_tokens + 1, self.block_size) * self._num_copies(seq)
+
     def _admit(self) -> Sequence | None:
         if not self.waiting or len(self.running) >= self.max_running:
             return None
         seq = self.waiting[0]
-        # the whole prompt plus one decode token, for the sequence and each child it will fork into
-        need = blocks_needed(seq.num_tokens + 1, self.block_size) * self._num_copies(seq)
+        need = self._blocks_to_admit(seq)
         if need > self.allocator.num_blocks:  # waiting would never help
             self._unfit.append(self.waiting.popleft())
             return self._admit()
@@ -103,6 +111,31 @@ class Scheduler:
         step = self._next_step()
         unfit, self._unfit = self._unfit, []
         return Schedule(step, unfit)
+
+    def schedule_ahead(self, keep: Callable[[Sequence], bool]) -> DecodeStep | None:
+        """The decode step after the one in flight: every running sequence with a token in flight that
+        ``keep`` keeps, its blocks grown for that token's K/V. None when only ``schedule()`` can decide
+        (a prefill to run, a sequence to fail, room to make by preempting, nothing to decode)."""
+        decoding = [s for s in self.running if not s.is_prefilling]
+        if self._would_prefill() or any(s.num_in_flight == 0 for s in decoding):
+            return None
+        seqs = [s for s in decoding if keep(s)]
+        if not seqs or sum(self._blocks_for(s, s.num_tokens_launched) for s in seqs) > self.allocator.num_free:
+            return None
+        for seq in seqs:
+            self._grow(seq, seq.num_tokens_launched)
+        self._last_was_prefill = False
+        return DecodeStep(seqs)
+
+    def _would_prefill(self) -> bool:
+        """Whether ``schedule()`` would now run a prefill chunk or fail a sequence that can never fit
+        (after a decode step, so no prefill is owed to the decodes)."""
+        if any(s.is_prefilling for s in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        need = self._blocks_to_admit(self.waiting[0])
+        return need <= self.allocator.num_free or need > self.allocator.num_blocks
 
     def _next_step(self) -> PrefillStep | DecodeStep | None:
         prefilling = next((s for s in self.running if s.is_prefilling), None)

@@ -43,10 +43,18 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     has_forked: bool = False  # its n - 1 siblings exist
+    # tokens sampled (or being sampled) on the device and not yet committed: 0 in the synchronous loop,
+    # 1 between steps in the one-step-ahead loop (see sampling/ahead.py)
+    num_in_flight: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens_launched(self) -> int:
+        """Tokens the device has or will have: the committed ones and those in flight."""
+        return self.num_tokens + self.num_in_flight
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_ids)

@@ -20,6 +20,7 @@ SCENARIOS = {
     "compile": "compile",
     "schemas": "schemas",
     "overload": "overload",
+    "ahead": "ahead",
 }
 
 

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
+from pipeline.types import GrammarSpec
 from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
 from sampling.model_runner import ModelRunner
-from tests.sampling.helpers import NUM_BLOCKS, make_engine
+from tests.sampling.helpers import NUM_BLOCKS, SCHEMA, make_engine
 from vision.checkpoint import Checkpoint
 
 NewEngine = Callable[..., LLMEngine]
@@ -29,6 +30,13 @@ def runner(checkpoint: Checkpoint) -> ModelRunner:
 @pytest.fixture(scope="session")
 def compiler(tokenizer_info: Any) -> xgr.GrammarCompiler:
     return xgr.GrammarCompiler(tokenizer_info)
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def json_grammar(request: pytest.FixtureRequest, grammar_compilers: tuple[Any, Any]) -> Any:
+    """SCHEMA compiled by each backend: every guided engine test runs with both matchers."""
+    compiler = dict(zip(("xgrammar", "llguidance"), grammar_compilers, strict=True))[request.param]
+    return compiler.compile(GrammarSpec("json_schema", SCHEMA)).grammar
 
 
 @pytest.fixture(scope="session")

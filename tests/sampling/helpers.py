@@ -8,6 +8,14 @@ from sampling.inputs import EngineInput, SeqOutput
 from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
 
+# the schema of the ``json_grammar`` fixture (conftest.py)
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
 IMAGE_TOKEN = 10
 NUM_BLOCKS = 1024  # x 16 tokens; the tiny model's cache is 8 KiB a block
 EOS = [2]

@@ -9,26 +9,10 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
 from sampling.guided import GuidedDecoder
 from tests.sampling.conftest import NewEngine
-from tests.sampling.helpers import add, prompt, run_all
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["name", "n"],
-    "additionalProperties": False,
-}
-SEEDED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
-
-
-@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
-def json_grammar(request: pytest.FixtureRequest, grammar_compilers: tuple[Any, Any]) -> Any:
-    """SCHEMA compiled by each backend: every guided engine test runs with both matchers."""
-    compiler = dict(zip(("xgrammar", "llguidance"), grammar_compilers, strict=True))[request.param]
-    return compiler.compile(GrammarSpec("json_schema", SCHEMA)).grammar
+from tests.sampling.helpers import SCHEMA, SEEDED, add, prompt, run_all
 
 
 def _add_crowd(engine: LLMEngine, tokenizer: Any, grammar: xgr.CompiledGrammar) -> None:
@@ -59,15 +43,16 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(
     assert batched.text == alone.text
 
 
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(
-    new_engine: NewEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar
+    new_engine: NewEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar, one_step_ahead: bool
 ) -> None:
     params = {"max_tokens": 24, "seed": 42, "ignore_eos": True, **SEEDED}
     target = prompt(hf_tokenizer, "sample me")
-    engine = new_engine()
+    engine = new_engine(one_step_ahead=one_step_ahead)
     add(engine, "a", target, **params)
     first = run_all(engine)[("a", 0)].token_ids
-    engine = new_engine()
+    engine = new_engine(one_step_ahead=one_step_ahead)
     _add_crowd(engine, hf_tokenizer, json_grammar)
     add(engine, "b", target, **params)
     add(engine, "c", target, **{**params, "seed": 43})
@@ -76,9 +61,11 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(
     assert outputs[("c", 0)].token_ids != first  # the seed matters
 
 
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
 def test_n4_shares_one_prefill_and_gives_four_outputs(
-    engine: LLMEngine, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+    new_engine: NewEngine, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, one_step_ahead: bool
 ) -> None:
+    engine = new_engine(one_step_ahead=one_step_ahead)
     prefills: list[int] = []
     real = engine.runner.prefill
 
@@ -130,9 +117,11 @@ def test_eos_stops_unless_ignore_eos(new_engine: NewEngine, hf_tokenizer: Any) -
     assert ignored.token_ids[:cut] == tokens[:cut] and tokens[cut] not in ignored.token_ids
 
 
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
 def test_abort_frees_the_slot_blocks_and_matchers_at_once(
-    engine: LLMEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar
+    new_engine: NewEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar, one_step_ahead: bool
 ) -> None:
+    engine = new_engine(one_step_ahead=one_step_ahead)
     add(engine, "x", prompt(hf_tokenizer, "abort me"), json_grammar, max_tokens=500, n=2, temperature=1.0)
     add(engine, "keep", prompt(hf_tokenizer, "keep me"), max_tokens=20, temperature=0.0, ignore_eos=True)
     for _ in range(6):
@@ -241,9 +230,15 @@ def test_a_preempted_parent_of_n_children_is_readmitted_alone(new_engine: NewEng
     assert tight == roomy and len(tight) == 3
 
 
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
 def test_a_rejected_token_fails_only_its_sequence(
-    engine: LLMEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar, monkeypatch: pytest.MonkeyPatch
+    new_engine: NewEngine,
+    hf_tokenizer: Any,
+    json_grammar: xgr.CompiledGrammar,
+    monkeypatch: pytest.MonkeyPatch,
+    one_step_ahead: bool,
 ) -> None:
+    engine = new_engine(one_step_ahead=one_step_ahead)
     real = GuidedDecoder.accept
     calls = {"n": 0}
 
@@ -266,9 +261,15 @@ def test_a_rejected_token_fails_only_its_sequence(
             jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
 def test_an_exception_in_decode_fails_that_step_and_the_engine_goes_on(
-    engine: LLMEngine, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, json_grammar: xgr.CompiledGrammar
+    new_engine: NewEngine,
+    hf_tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    json_grammar: xgr.CompiledGrammar,
+    one_step_ahead: bool,
 ) -> None:
+    engine = new_engine(one_step_ahead=one_step_ahead)
     real = engine.runner.decode
     calls = {"n": 0}
 

@@ -1,4 +1,4 @@
-"""CUDA paths: bf16 model, pinned bitmask, side-stream copies. Skipped without a GPU."""
+"""CUDA paths: bf16 model, pinned bitmask, side-stream copies, the one-step-ahead loop. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -32,15 +32,39 @@ def test_host_copier_returns_the_device_ids() -> None:
     assert wait() == [0, 3, 6, 9, 12, 15, 18]
 
 
+@pytest.fixture(scope="module")
+def cuda_runner(checkpoint: Checkpoint) -> ModelRunner:
+    return ModelRunner(checkpoint, device="cuda", max_model_len=2048, num_blocks=128, block_size=16)
+
+
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
 def test_guided_decoding_on_cuda_validates(
-    checkpoint: Checkpoint, token_bytes: TokenBytes, compiler: xgr.GrammarCompiler, hf_tokenizer: Any
+    cuda_runner: ModelRunner,
+    token_bytes: TokenBytes,
+    compiler: xgr.GrammarCompiler,
+    hf_tokenizer: Any,
+    one_step_ahead: bool,
 ) -> None:
-    runner = ModelRunner(checkpoint, device="cuda", max_model_len=2048, num_blocks=128, block_size=16)
-    assert runner.dtype == torch.bfloat16
-    engine = make_engine(runner, token_bytes, num_blocks=128, max_running=8)
+    assert cuda_runner.dtype == torch.bfloat16
+    engine = make_engine(cuda_runner, token_bytes, num_blocks=128, max_running=8, one_step_ahead=one_step_ahead)
     grammar = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     for i in range(4):
         add(engine, f"g{i}", prompt(hf_tokenizer, f"gpu {i}"), grammar, max_tokens=32, temperature=0.8, seed=i)
     for out in run_all(engine).values():
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_one_step_ahead_on_cuda_gives_the_synchronous_tokens(
+    cuda_runner: ModelRunner, token_bytes: TokenBytes, hf_tokenizer: Any
+) -> None:
+    """Sequences that end by length leave both loops at the same step, so both run the same batches
+    (the same kernels, the same rounding in bf16) and must give the same tokens."""
+    outputs = []
+    for one_step_ahead in (False, True):
+        engine = make_engine(cuda_runner, token_bytes, num_blocks=128, max_running=8, one_step_ahead=one_step_ahead)
+        for i in range(6):
+            params: dict[str, Any] = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "top_p": 0.9, "seed": i}
+            add(engine, f"r{i}", prompt(hf_tokenizer, f"gpu {i}"), max_tokens=8 + 5 * i, ignore_eos=True, **params)
+        outputs.append({k: o.token_ids for k, o in run_all(engine).items()})
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6

@@ -40,7 +40,8 @@ def test_chunked_prefill_and_batched_decode_match_transformers(runner: ModelRunn
     # two sequences of different lengths in one decode batch: padding keys must stay invisible
     for step in range(10):
         pos_a, pos_b = 30 + step, 19 + step
-        logits = runner.decode([int(seq_a[pos_a]), int(seq_b[pos_b])], [pos_a, pos_b], [table_a, table_b])
+        batch = runner.decode_inputs([pos_a, pos_b], [table_a, table_b])
+        logits = runner.decode([int(seq_a[pos_a]), int(seq_b[pos_b])], batch)
         torch.testing.assert_close(logits[0], expected_a[pos_a], atol=ATOL, rtol=0)
         torch.testing.assert_close(logits[1], expected_b[pos_b], atol=ATOL, rtol=0)
 
