@@ -61,6 +61,9 @@ class PipelineConfig:
     # on a GPU, 2 raises preparation throughput (prep bench: 53 -> 63 req/s for base64 images).
     vision_encode_threads: int = 1
 
+    # Vision embeddings kept by image content (stages/encoder_cache.py), least recently used out; 0: off.
+    encoder_cache_bytes: int = 256 * 1024 * 1024
+
     # -- grammar --
     grammar_cache_bytes: int = 512 * 1024 * 1024  # compiled grammars (and cached errors), least recent out
     grammar_max_concurrent_compiles: int = 2  # per backend
@@ -92,6 +95,9 @@ class PipelineConfig:
     # False: the synchronous loop. Off: on the 2-core CPU it does not pay (bench ahead, 3 runs of 7
     # pairs: median TPOT ratio 0.94-1.16 at batch 8 and 32, 0.98-1.13 at batch 1); on a GPU, try it.
     engine_one_step_ahead: bool = False
+    # Reuse the KV blocks of earlier prompts with the same prefix (sampling/prefix_cache.py); images
+    # are keyed by content. False: every prompt is prefilled in full (n > 1 still shares its prompt).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -122,6 +128,8 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.grammar_backend must be auto, xgrammar or llguidance, got {self.grammar_backend!r}"
             )
+        if self.encoder_cache_bytes < 0:
+            raise ValueError("PipelineConfig.encoder_cache_bytes must be >= 0")
         if self.answer_resample_attempts < 0:
             raise ValueError("PipelineConfig.answer_resample_attempts must be >= 0")
         if self.max_redirects < 0:

@@ -47,6 +47,7 @@ def build_llm_engine(
         record_timeline=record_timeline,
         tracer=tracer,
         one_step_ahead=config.engine_one_step_ahead,
+        prefix_caching=config.prefix_caching,
     )
 
 

@@ -192,6 +192,7 @@ class Pipeline:
         return job
 
     def _job_left(self, job: Job[PreparedRequest]) -> None:
+        self.preparation.release(job)
         self._pending -= 1
         self.metrics.outcomes[job.outcome.state.value] += 1
         if self._pending == 0:

@@ -6,25 +6,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
-import torch
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import InvalidRequest, PipelineError
+from pipeline.errors import PipelineError
+from pipeline.image_steps import ImageSteps, RequestImages
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest
-from pipeline.staged import Job, StageWorkers, run_each
+from pipeline.staged import Job, StageWorkers
 from pipeline.trace import Tracer
 from pipeline.types import Outcome
 from sampling.inputs import EngineInput
 from sampling.llguidance_backend import LLGuidanceBackend
 from stages.decode import DecodeStage
+from stages.encoder_cache import EncoderCache
 from stages.fetch import FetchStage
 from stages.grammar import CompiledConstraint, GrammarStage
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
@@ -32,9 +34,9 @@ from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
-from vision.preprocess import ImageTokenIds, PreparedImage, preprocess_image
+from vision.preprocess import ImageTokenIds, preprocess_image
 
-__all__ = ["Preparation", "PreparedInput", "PreparedRequest", "build_grammar_stage"]
+__all__ = ["Preparation", "PreparedInput", "PreparedRequest", "build_grammar_stage", "encoder_cache_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +46,8 @@ class PreparedRequest:
     """What the stages fill in for one request."""
 
     request: ChatRequest
-    image_bytes: list[bytes] = field(default_factory=list)
-    images: list[PreparedImage] = field(default_factory=list)
+    images: RequestImages = field(default_factory=RequestImages)
     prompt_ids: list[int] = field(default_factory=list)
-    image_embeds: torch.Tensor | None = None
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
 
 
@@ -75,6 +75,14 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
     )
+
+
+def encoder_cache_namespace(checkpoint: Checkpoint) -> str:
+    """The model and processor part of an encoder cache key: embeddings of one model and one set of
+    processor settings are never served for another."""
+    processor = checkpoint.image_processor
+    settings = processor.to_json_string() if processor is not None else ""
+    return hashlib.sha256(f"{checkpoint.path}\n{settings}".encode()).hexdigest()[:16]
 
 
 class Preparation:
@@ -132,6 +140,12 @@ class Preparation:
             if encoder is not None
             else None
         )
+        self.encoder_cache = (
+            EncoderCache(cfg.encoder_cache_bytes, encoder_cache_namespace(checkpoint))
+            if cfg.encoder_cache_bytes and encoder is not None
+            else None
+        )
+        self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer)
         self.grammar = grammar
         metrics.grammar_cache_hits = lambda: self.grammar.stats.hits
         metrics.grammar_cache_misses = lambda: self.grammar.stats.misses
@@ -174,7 +188,10 @@ class Preparation:
 
     def side_queues(self) -> dict[str, int]:
         """Items waiting outside the stage inboxes (the vision batcher's queue)."""
-        return {"vision_batcher": self.vision.queue_depth} if self.vision is not None else {}
+        queues = {"vision_batcher": self.vision.queue_depth} if self.vision is not None else {}
+        if self.encoder_cache is not None:  # encodes owned for other requests (0 once idle)
+            queues["encoder_cache_flights"] = self.encoder_cache.num_flights
+        return queues
 
     async def aclose(self) -> None:
         for stage in self.stages:
@@ -209,38 +226,22 @@ class Preparation:
     # -- the stage steps ------------------------------------------------------------------------
     async def _fetch_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        images = prep.request.images
-        results: list[bytes] = [b""] * len(images)
-
-        async def fetch_one(i: int) -> None:
-            results[i] = await self.fetch.run(images[i].url, field=images[i].field)
-
-        await run_each(fetch_one, len(images))
-        prep.image_bytes = results
+        await self.images.fetch_step(prep.request.images, prep.images, job.request_id)
 
     async def _decode_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        fields = [im.field for im in prep.request.images]
-        prepared: list[PreparedImage | None] = [None] * len(fields)
-
-        async def decode_one(i: int) -> None:
-            prepared[i] = await self.decode.run(prep.image_bytes[i], field=fields[i])
-
-        await run_each(decode_one, len(fields))
-        prep.image_bytes = []  # the encoded bytes are no longer needed: free them early
-        prep.images = [p for p in prepared if p is not None]
+        await self.images.decode_step(prep.request.images, prep.images)
 
     async def _template_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        prep.prompt_ids = await self.template.run(prep.request.messages, prep.images)
+        prep.prompt_ids = await self.template.run(prep.request.messages, prep.images.images)
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
-        prep = job.payload
-        if prep.images:
-            if self.vision is None:
-                raise InvalidRequest("this model takes no images", field="messages")
-            prep.image_embeds = await self.vision.run(prep.images)
-        prep.images = []
+        await self.images.vision_step(job.payload.images)
+
+    def release(self, job: Job[PreparedRequest]) -> None:
+        """What ``job`` still holds once it left the stages (encodes it owned for others)."""
+        self.images.release(job.payload.images)
 
     async def _compile_grammar(self, job: Job[PreparedRequest]) -> None:
         """Runs beside the stages from admission on; a bad grammar fails the request at once."""
@@ -290,9 +291,10 @@ class Preparation:
             request_id=request.request_id,
             prompt_token_ids=prep.prompt_ids,
             image_token_id=self.image_token_id,
-            image_embeds=prep.image_embeds,
+            image_embeds=prep.images.embeds,
             sampling=request.sampling,
             grammar=constraint.grammar if constraint is not None else None,
             timings=dict(job.timings),
+            image_keys=prep.images.keys,
         )
         return PreparedInput(inp, constraint)

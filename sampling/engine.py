@@ -66,6 +66,7 @@ class LLMEngine:
         record_timeline: bool = False,
         tracer: Any = None,
         one_step_ahead: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         self.runner = runner
         self.token_bytes = token_bytes
@@ -75,6 +76,8 @@ class LLMEngine:
             block_size=runner.block_size,
             max_running=max_running,
             chunk_tokens=chunk_tokens,
+            prefix_caching=prefix_caching,
+            image_token_id=runner.image_token_id,
         )
         self.guided = GuidedDecoder(runner.cfg.vocab_size, max_running * 2, runner.device)
         self.copier = HostCopier(runner.device, max_running * 2)
@@ -107,6 +110,7 @@ class LLMEngine:
             generator=generator,
             stop=StopChecker(inp.sampling.stop),
             num_siblings=num_siblings,
+            image_keys=list(inp.image_keys),
         )
 
     def add(self, inp: EngineInput) -> None:
@@ -214,6 +218,7 @@ class LLMEngine:
             if not step.is_last_chunk:
                 self._timed(timing, forward)
                 seq.num_computed = step.end
+                self.scheduler.cache_computed(seq)
                 return [], None, []
             seqs = [seq]
         else:
@@ -235,6 +240,7 @@ class LLMEngine:
         timing.wait = time.perf_counter() - waited
         if isinstance(step, PrefillStep):
             step.seq.num_computed = step.end
+            self.scheduler.cache_computed(step.seq)
             if step.seq.num_siblings > 1 and not step.seq.has_forked:
                 seqs = self._fork(step.seq)
                 filled = list(range(len(seqs))) if filled else []
@@ -264,12 +270,14 @@ class LLMEngine:
         return rows
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: the parent's siblings, each with a copy of its prefilled K/V and its own matcher."""
+        """n > 1: the parent's siblings, each sharing its prefilled K/V (copying the partial last
+        block) and with its own matcher."""
         request = self._requests[parent.request_id]
         children = [self._new_seq(request.inp, i) for i in range(1, parent.num_siblings)]
         for child in children:
-            self.scheduler.fork(parent, child)
-            self.runner.copy_blocks(parent.block_table, child.block_table)
+            src, dst = self.scheduler.fork(parent, child)
+            if src:
+                self.runner.copy_blocks(src, dst)
             self._ensure_matcher(child)
             if child.matcher is not None:  # a fresh matcher's mask equals the parent's (row 0)
                 self.guided.copy_row(0, child.index)
@@ -382,6 +390,7 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, token: int) -> SeqOutput:
         seq.output_ids.append(token)
+        self.scheduler.cache_computed(seq)  # before a finish frees its blocks: they stay cached
         is_eos = token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
         stop = seq.stop
         text = "" if is_eos else stop.feed(seq.detokenizer.add(token))

@@ -9,7 +9,15 @@ import torch
 
 from sampling.params import SamplingParams
 
-__all__ = ["EngineInput", "SeqOutput"]
+__all__ = ["EngineInput", "ImageKey", "SeqOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class ImageKey:
+    """One image of a prompt as the KV prefix cache sees it: its content and its embedding rows."""
+
+    content_hash: str
+    num_tokens: int  # its rows in ``image_embeds`` (and image tokens in the prompt), in prompt order
 
 
 @dataclass(slots=True)
@@ -21,12 +29,17 @@ class EngineInput:
     sampling: SamplingParams
     grammar: Any | None = None  # xgrammar.CompiledGrammar
     timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage
+    # the prompt's images by content, in order; empty: unknown, and KV blocks holding image tokens are
+    # then never shared (sampling/prefix_cache.py)
+    image_keys: list[ImageKey] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         num_image_tokens = sum(1 for t in self.prompt_token_ids if t == self.image_token_id)
         rows = 0 if self.image_embeds is None else int(self.image_embeds.shape[0])
         if rows != num_image_tokens:
             raise ValueError(f"{num_image_tokens} image tokens in the prompt but {rows} embedding rows")
+        if self.image_keys and sum(k.num_tokens for k in self.image_keys) != rows:
+            raise ValueError(f"image keys cover {sum(k.num_tokens for k in self.image_keys)} of {rows} rows")
 
 
 @dataclass(slots=True)

@@ -5,6 +5,12 @@ Prefill and decode steps alternate while both have work, so a long prompt never 
 decodes for more than one chunk at a time. When KV blocks run out, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its prompt plus what it had generated.
 
+With the prefix cache on, a sequence admitted takes the longest run of cached blocks its tokens
+hash to (sampling/prefix_cache.py) and starts its prefill after them; its full blocks are registered
+as their K/V is computed. A preempted sequence finds its own blocks there when it comes back, unless
+they were evicted meanwhile. n > 1 children share their parent's full blocks and copy only its last,
+partial one.
+
 ``schedule_ahead()`` serves the engine's one-step-ahead loop: the next decode of the sequences whose
 tokens are still in flight. It decides nothing that ``schedule()`` would decide otherwise; when a
 prefill should run or room must be made, it declines and the loop finishes its in-flight step first.
@@ -17,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sampling.kv_cache import BlockAllocator, blocks_needed
+from sampling.prefix_cache import cacheable_prefix, compute_block_hashes
 from sampling.sequence import SeqState, Sequence
 
 __all__ = ["DecodeStep", "PrefillStep", "Schedule", "Scheduler"]
@@ -48,8 +55,19 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, *, block_size: int, max_running: int, chunk_tokens: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        block_size: int,
+        max_running: int,
+        chunk_tokens: int,
+        prefix_caching: bool = False,
+        image_token_id: int | None = None,
+    ) -> None:
         self.allocator = allocator
+        self.prefix_caching = prefix_caching
+        self.image_token_id = image_token_id
         self.block_size = block_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
@@ -75,6 +93,7 @@ class Scheduler:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_registered = 0
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -88,8 +107,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
-        # the whole prompt plus one decode token, for the sequence and each child it will fork into
-        return blocks_needed(seq.num_tokens + 1, self.block_size) * self._num_copies(seq)
+        # the whole prompt plus one decode token, and a block for each child it will fork into (its
+        # copy of the last, partial block, or its first decode token's); cached blocks count as new
+        return blocks_needed(seq.num_tokens + 1, self.block_size) + self._num_copies(seq) - 1
 
     def _admit(self) -> Sequence | None:
         if not self.waiting or len(self.running) >= self.max_running:
@@ -104,7 +124,38 @@ class Scheduler:
         self.waiting.popleft()
         seq.state = SeqState.RUNNING
         self.running.append(seq)
+        if self.prefix_caching:
+            self._take_cached_prefix(seq)
         return seq
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Start ``seq`` after the longest run of its leading blocks found in the cache."""
+        bs = self.block_size
+        hashes = compute_block_hashes(seq, cacheable_prefix(seq.num_tokens, bs) // bs, bs, self.image_token_id)
+        found = []
+        for block_hash in hashes:
+            block = self.allocator.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        self.allocator.share(found)
+        self.allocator.stats.hits += len(found)
+        self.allocator.stats.misses += len(hashes) - len(found)
+        seq.block_table = found
+        seq.num_computed = seq.num_registered = len(found) * bs
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Register ``seq``'s full blocks whose K/V is computed (and whose tokens are committed)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed, seq.num_tokens, len(seq.block_table) * bs) // bs
+        if num_full <= seq.num_registered // bs:
+            return
+        hashes = compute_block_hashes(seq, num_full, bs, self.image_token_id)
+        for i in range(seq.num_registered // bs, len(hashes)):
+            self.allocator.register(seq.block_table[i], hashes[i])
+        seq.num_registered = num_full * bs
 
     def schedule(self) -> Schedule:
         """The next step, and the sequences found unfit on the way."""
@@ -166,8 +217,8 @@ class Scheduler:
         it forks into), preempting the newest running sequences. Decodes that grew since ``seq`` was
         admitted may have taken its room: then it may be the one preempted (False)."""
         need = self._blocks_for(seq, end)
-        if end == seq.num_tokens:
-            need += (self._num_copies(seq) - 1) * blocks_needed(end, self.block_size)
+        if end == seq.num_tokens:  # each child copies the last block if it is partial
+            need += (self._num_copies(seq) - 1) * (blocks_needed(end, self.block_size) - end // self.block_size)
         while need > self.allocator.num_free:
             victim = self.running[-1]
             self._preempt(victim)
@@ -195,9 +246,19 @@ class Scheduler:
                 self._grow(seq, seq.num_tokens)
         return DecodeStep(decoding) if decoding else None
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give ``child`` its own copy of ``parent``'s blocks (the caller copies the K/V)."""
-        child.block_table = self.allocator.allocate(len(parent.block_table))
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[list[int], list[int]]:
+        """Give ``child`` the prefilled ``parent``'s blocks: its full ones shared, its partial last one
+        copied; the blocks whose K/V the caller must copy, and where to."""
+        num_full = parent.num_computed // self.block_size
+        shared = parent.block_table[:num_full]
+        self.allocator.share(shared)
+        copied = self.allocator.allocate(len(parent.block_table) - num_full)
+        child.block_table = shared + copied
         child.num_computed = parent.num_computed
+        child.num_registered = min(parent.num_registered, num_full * self.block_size)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_hashed_image_rows = parent.num_hashed_image_rows
+        child.is_chain_broken = parent.is_chain_broken
         child.state = SeqState.RUNNING
         self.running.append(child)
+        return parent.block_table[num_full:], copied

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from sampling.detokenizer import Detokenizer
+from sampling.inputs import ImageKey
 from sampling.params import SamplingParams
 from sampling.stop import StopChecker
 
@@ -46,6 +47,13 @@ class Sequence:
     # tokens sampled (or being sampled) on the device and not yet committed: 0 in the synchronous loop,
     # 1 between steps in the one-step-ahead loop (see sampling/ahead.py)
     num_in_flight: int = 0
+    # the prefix cache (sampling/prefix_cache.py): the prompt's images by content, the keys of its
+    # full blocks so far, the image rows those blocks hold, and how many of its blocks are registered
+    image_keys: list[ImageKey] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_image_rows: int = 0
+    is_chain_broken: bool = False
+    num_registered: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -6,13 +6,14 @@ thread under this stage's limiter.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
 from pipeline.types import ImagePart, InvalidRequest, Message, PromptTooLong
 from stages.offload import Offload
-from vision.preprocess import ImageTokenIds, PreparedImage, expand_image_tokens
+from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
 __all__ = ["TemplateStage"]
 
@@ -40,7 +41,7 @@ class TemplateStage:
         self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
 
-    def render(self, messages: tuple[Message, ...], images: list[PreparedImage]) -> list[int]:
+    def render(self, messages: tuple[Message, ...], images: Sequence[ImageGrid]) -> list[int]:
         """Prompt token ids with every image expanded to its grid of image tokens (synchronous).
 
         :raises InvalidRequest: if the template rejects the conversation or text mimics an image token.
@@ -64,6 +65,6 @@ class TemplateStage:
             )
         return ids
 
-    async def run(self, messages: tuple[Message, ...], images: list[PreparedImage]) -> list[int]:
+    async def run(self, messages: tuple[Message, ...], images: Sequence[ImageGrid]) -> list[int]:
         """Render and tokenize in a worker thread (finishes even if the caller is cancelled)."""
         return await self.offload.run(self.render, messages, images)

@@ -135,6 +135,13 @@ class VisionEncodeStage:
         """
         if not images:
             return None
+        return torch.cat(await self.encode_each(images))
+
+    async def encode_each(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        """One ``[num_patches, hidden]`` tensor per image (what the encoder cache keeps).
+
+        :raises PipelineError: (500) if the encoder failed on this batch.
+        """
         pending = [_Pending(im) for im in images]
         try:
             for p in pending:
@@ -148,7 +155,7 @@ class VisionEncodeStage:
         errors = [p.embeds.error for p in pending if p.embeds.error is not None]
         if errors:
             raise PipelineError(f"vision encoder failed: {errors[0]!r}", stage=self.name) from errors[0]
-        return torch.cat([p.embeds.get() for p in pending])
+        return [p.embeds.get() for p in pending]
 
     async def aclose(self) -> None:
         await self._send.aclose()

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
 
-__all__ = ["ImageTokenIds", "PreparedImage", "expand_image_tokens", "preprocess_image"]
+__all__ = ["ImageGrid", "ImageTokenIds", "PreparedImage", "expand_image_tokens", "preprocess_image"]
+
+
+class ImageGrid(Protocol):
+    """What the prompt needs of an image: its patch grid (a prepared image, or a cached encoding)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def num_cols(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +61,7 @@ def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
     return PreparedImage(pixel_values=pixels, num_rows=height // patch_h, num_cols=width // patch_w)
 
 
-def expand_image_tokens(token_ids: list[int], images: list[PreparedImage], ids: ImageTokenIds) -> list[int]:
+def expand_image_tokens(token_ids: list[int], images: Sequence[ImageGrid], ids: ImageTokenIds) -> list[int]:
     """Replace the i-th ``[IMG]`` placeholder with the i-th image's grid of tokens.
 
     Pixtral's layout: each row is ``num_cols`` × ``[IMG]`` then ``[IMG_BREAK]``; the last row ends
