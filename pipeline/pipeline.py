@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -22,6 +22,7 @@ from pipeline.staged import Job
 from pipeline.trace import Tracer
 from sampling.async_engine import AsyncEngine
 from sampling.inputs import EngineInput
+from stages.encoder_cache import CacheStats
 from stages.grammar import GrammarStage
 from vision.checkpoint import Checkpoint, open_checkpoint
 from vision.encoder import VisionEncoder
@@ -264,6 +265,27 @@ class Pipeline:
         for handle in list(self._handles):
             handle.cancel()
         return False
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Hits, misses, evictions and bytes held of the encoder cache and the KV prefix cache (a
+        cache that is off is absent)."""
+        out = {}
+        cache = self.preparation.encoder_cache
+        if cache is not None:
+            out["encoder"] = replace(cache.stats)
+        if self._engine is not None and self._engine.engine.scheduler.prefix_caching:
+            engine = self._engine.engine
+            kv = engine.scheduler.allocator.stats
+            block_bytes = engine.runner.kv_block_bytes
+            out["kv_prefix"] = CacheStats(
+                hits=kv.hits,
+                misses=kv.misses,
+                evictions=kv.evictions,
+                bytes_held=kv.blocks_held * block_bytes,
+                bytes_bound=engine.scheduler.allocator.num_blocks * block_bytes,
+                entries=kv.blocks_held,
+            )
+        return out
 
     def health(self) -> dict[str, Any]:
         status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"

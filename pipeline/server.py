@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 
+from pipeline.cache_metrics import render_cache_metrics
 from pipeline.errors import InvalidRequest, Overloaded, PipelineError
 from pipeline.handle import RequestHandle, Result
 from pipeline.pipeline import Pipeline
@@ -145,7 +146,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     pipe = request.app[PIPELINE_KEY]
-    return web.Response(text=pipe.metrics.render_prometheus(), content_type="text/plain")
+    text = pipe.metrics.render_prometheus() + render_cache_metrics(pipe.cache_stats())
+    return web.Response(text=text, content_type="text/plain")
 
 
 def create_app(pipe: Pipeline) -> web.Application:

@@ -46,6 +46,12 @@ class ModelRunner:
             dtype=self.dtype,
         )
 
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of K and V one block holds across all layers."""
+        k_cache = self.kv_caches[0][0]
+        return 2 * len(self.kv_caches) * self.block_size * k_cache[0].numel() * k_cache.element_size()
+
     def _load(self, checkpoint: Checkpoint) -> None:
         weights = checkpoint.load_weights(_BODY_PREFIXES)
         weights = {k: v for k, v in weights.items() if not k.startswith(("vision_tower", "multi_modal"))}
