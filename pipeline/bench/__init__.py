@@ -21,6 +21,7 @@ SCENARIOS = {
     "schemas": "schemas",
     "overload": "overload",
     "ahead": "ahead",
+    "cache": "cache",
 }
 
 
