@@ -33,12 +33,14 @@ def compute_block_hashes(seq: Sequence, num_blocks: int, block_size: int, image_
     hashes = seq.block_hashes
     while len(hashes) < num_blocks and not seq.is_chain_broken:
         start = len(hashes) * block_size
-        tokens = seq.tokens(start, start + block_size)
+        end = start + block_size
+        # slicing the prompt alone where it can: seq.tokens() joins prompt and outputs on every call
+        tokens = seq.prompt_ids[start:end] if end <= len(seq.prompt_ids) else seq.tokens(start, end)
         if len(tokens) < block_size:
             break
         h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
         h.update(array("q", tokens).tobytes())
-        num_image = sum(1 for t in tokens[: max(0, len(seq.prompt_ids) - start)] if t == image_token_id)
+        num_image = tokens[: max(0, len(seq.prompt_ids) - start)].count(image_token_id)
         if num_image:
             if not _hash_images(h, seq, seq.num_hashed_image_rows, num_image):
                 seq.is_chain_broken = True

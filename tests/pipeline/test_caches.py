@@ -104,3 +104,24 @@ async def test_cancelled_requests_sharing_an_image_and_a_prefix_leave_nothing_he
     assert encoder is not None and encoder.num_flights == 0
     allocator = cached.engine.engine.scheduler.allocator
     assert all(allocator.refcount(b) == 0 for b in range(allocator.num_blocks))
+
+
+async def test_metrics_endpoint_shows_both_caches(cached: Pipeline) -> None:
+    import aiohttp
+
+    from pipeline.server import create_app
+    from tests.servers import serving
+
+    url = data_url(encode(make_image(64, 64, seed=24)))
+    for _ in range(2):
+        await (await cached.submit(chat("metrics", (url,), max_tokens=1))).result()
+    async with serving(create_app(cached)) as base, aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+    stats = cached.cache_stats()
+    for cache in ("encoder", "kv_prefix"):
+        s = stats[cache]
+        assert s.hits > 0
+        for name, value in (("hits_total", s.hits), ("misses_total", s.misses), ("bytes_bound", s.bytes_bound)):
+            assert f'pipeline_cache_{name}{{cache="{cache}"}} {value}\n' in text
+    assert 'pipeline_cache_evictions_total{cache="encoder"}' in text
