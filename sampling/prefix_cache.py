@@ -40,7 +40,8 @@ def compute_block_hashes(seq: Sequence, num_blocks: int, block_size: int, image_
             break
         h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
         h.update(array("q", tokens).tobytes())
-        num_image = tokens[: max(0, len(seq.prompt_ids) - start)].count(image_token_id)
+        in_prompt = tokens[: max(0, len(seq.prompt_ids) - start)]
+        num_image = in_prompt.count(image_token_id) if image_token_id is not None else 0
         if num_image:
             if not _hash_images(h, seq, seq.num_hashed_image_rows, num_image):
                 seq.is_chain_broken = True
