@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -91,3 +93,16 @@ async def test_a_failed_owner_leaves_no_flight(pipe: Pipeline) -> None:
         await pipe.prepare(image_request([broken]))
     assert cache.num_flights == 0
     await assert_released(pipe)
+
+
+async def test_the_trace_carries_each_image_hash(tmp_path: Path) -> None:
+    from pipeline.trace import Tracer
+
+    tracer = Tracer()
+    data = encode(make_image(80, 48, seed=105))
+    async with Pipeline(PipelineConfig(), with_engine=False, tracer=tracer) as traced:
+        await traced.prepare(image_request([data_url(data), data_url(data)]))
+    tracer.write(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    hashed = [e for e in events if e["name"] == "images hashed"]
+    assert [e["args"]["hashes"] for e in hashed] == [[content_hash(data)[:16]] * 2]
