@@ -172,3 +172,33 @@ def test_aborts_and_preemptions_leave_every_reference_at_zero(new_engine: NewEng
     allocator = engine.scheduler.allocator
     assert allocator.num_referenced == 0 and all(allocator.refcount(b) == 0 for b in range(allocator.num_blocks))
     assert all(o.finish_reason == "length" for k, o in outputs.items() if k[0] not in ("r1", "late"))
+
+
+def test_preemption_with_shared_prefixes_gives_the_uncached_answers(
+    new_engine: NewEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar
+) -> None:
+    shared = prompt(hf_tokenizer, SYSTEM)
+
+    def run(engine: LLMEngine) -> tuple[dict[tuple[str, int], list[int]], int]:
+        preempted: list[int] = []
+        preempt = engine.scheduler._preempt
+        engine.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))[1]  # type: ignore[method-assign]
+        for i in range(5):
+            grammar = json_grammar if i % 2 else None
+            add(
+                engine,
+                f"r{i}",
+                shared + [200 + i] * 9,
+                grammar,
+                max_tokens=60,
+                temperature=0,
+                ignore_eos=grammar is None,
+            )
+        add(engine, "n", shared + [7] * 5, max_tokens=40, n=2, seed=4, ignore_eos=True, **SEEDED)
+        outputs = run_all(engine)
+        assert all(o.finish_reason in ("stop", "length") for o in outputs.values()), outputs
+        return {k: o.token_ids for k, o in outputs.items()}, len(preempted)
+
+    plain, _ = run(new_engine(prefix_caching=False))
+    tight, preemptions = run(new_engine(num_blocks=12, chunk_tokens=32))
+    assert preemptions > 0 and tight == plain
