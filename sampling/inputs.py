@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from sampling.logits_process import TokenLogprob
 from sampling.params import SamplingParams
 
 __all__ = ["EngineInput", "SeqOutput"]
@@ -40,3 +41,4 @@ class SeqOutput:
     finish_reason: str | None = None  # "stop", "length", "error" or None while running
     error: str | None = None
     num_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
