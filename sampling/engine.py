@@ -108,6 +108,8 @@ class LLMEngine:
             generator=generator,
             stop=StopChecker(inp.sampling.stop),
             num_siblings=num_siblings,
+            grammar_trigger=inp.grammar_trigger,
+            grammar_start=0 if inp.grammar_trigger is None else None,
         )
 
     def add(self, inp: EngineInput) -> None:
@@ -198,8 +200,11 @@ class LLMEngine:
         return [out for seq in unfit for out in self._fail(seq, message)]
 
     def _ensure_matcher(self, seq: Sequence) -> None:
-        if seq.grammar is not None and seq.matcher is None and seq.state is not SeqState.FINISHED:
-            seq.matcher = new_matcher(seq.grammar, seq.output_ids)
+        """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
+        (after a preemption); none before its trigger token."""
+        start = seq.grammar_start
+        if seq.grammar is not None and seq.matcher is None and start is not None and seq.state is not SeqState.FINISHED:
+            seq.matcher = new_matcher(seq.grammar, seq.output_ids[start:])
 
     def _launch(
         self, step: PrefillStep | DecodeStep, timing: StepTiming
@@ -396,6 +401,8 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> SeqOutput:
         seq.output_ids.append(token)
+        if seq.grammar_start is None and token == seq.grammar_trigger:
+            seq.grammar_start = len(seq.output_ids)  # the next step's fill builds the matcher
         is_eos = token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
         stop = seq.stop
         text = "" if is_eos else stop.feed(seq.detokenizer.add(token))

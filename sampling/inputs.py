@@ -21,6 +21,8 @@ class EngineInput:
     image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
     sampling: SamplingParams
     grammar: Any | None = None  # xgrammar.CompiledGrammar
+    # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
+    grammar_trigger: int | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -164,6 +165,17 @@ def test_both_loops_agree_on_logprobs_penalties_and_bias(
             frequency_penalty=0.5,
         )
         add(engine, "jn", prompt(hf_tokenizer, "e"), json_grammar, max_tokens=30, seed=2, n=2, logprobs=1, **SEEDED)
+        bias = ((TOOL_CALLS, 100.0),)
+        add(
+            engine,
+            "t",
+            prompt(hf_tokenizer, "f"),
+            json_grammar,
+            TOOL_CALLS,
+            max_tokens=40,
+            temperature=0,
+            logit_bias=bias,
+        )
         return {
             key: [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in chunks]
             for key, chunks in _run(engine).items()
@@ -184,3 +196,24 @@ def test_both_loops_agree_on_logprobs_penalties_and_bias(
             for a, b in zip(mine[3], theirs[3], strict=True):
                 assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+TOOL_CALLS = 9  # the Mistral tokenizer's tool-call marker
+
+
+def test_a_triggered_grammar_holds_only_after_its_marker(
+    engine: LLMEngine, hf_tokenizer: Any, json_grammar: Any
+) -> None:
+    ids = prompt(hf_tokenizer, "call a tool")
+    add(engine, "free", ids, max_tokens=10, temperature=0)
+    add(engine, "untriggered", ids, json_grammar, TOOL_CALLS, max_tokens=10, temperature=0)
+    bias = ((TOOL_CALLS, 100.0),)
+    add(engine, "called", ids, json_grammar, TOOL_CALLS, max_tokens=60, temperature=0, logit_bias=bias)
+    chunks = _run(engine)
+    assert _tokens(chunks[("untriggered", 0)]) == _tokens(chunks[("free", 0)])  # no marker: no grammar
+    called = chunks[("called", 0)]
+    tokens = _tokens(called)
+    assert tokens[0] == TOOL_CALLS and TOOL_CALLS not in tokens[1:]  # the grammar refuses the marker after it
+    assert called[-1].finish_reason == "stop"
+    text = "".join(c.text for c in called[1:])  # the marker's own text is the tokenizer's business
+    assert json.loads(text).keys() == {"name", "n"}, text
