@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from pipeline.completion_request import parse_completion_request
 from pipeline.config import PipelineConfig
 from pipeline.engine_factory import build_engine
 from pipeline.errors import Overloaded, ShuttingDown
@@ -107,6 +109,11 @@ class Pipeline:
             raise RuntimeError("the pipeline is not started, or was built with_engine=False")
         return self._engine
 
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (logit_bias, prompt ids): the tokenizer's."""
+        return len(self.checkpoint.tokenizer)
+
     @property
     def model_name(self) -> str:
         return self.checkpoint.model_name
@@ -165,6 +172,14 @@ class Pipeline:
             max_images=cfg.max_images_per_request,
             default_max_tokens=cfg.default_max_tokens,
             max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+
+    def parse_completions(self, body: Any) -> list[ChatRequest]:
+        """A completions body, one request per prompt. :raises InvalidRequest: naming the offending field."""
+        cfg = self.config
+        return parse_completion_request(
+            body, default_max_tokens=cfg.default_max_tokens, max_model_len=cfg.max_model_len, vocab_size=self.vocab_size
         )
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:

@@ -232,7 +232,18 @@ class Preparation:
 
     async def _template_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        prep.prompt_ids = await self.template.run(prep.request.messages, prep.images)
+        request = prep.request
+        plan = request.tools
+        marker = self.template.tool_call_token
+        if plan is not None and not plan.starts_with_call and marker is None:
+            raise InvalidRequest(
+                "this model's tokenizer has no tool-call marker: use tool_choice 'required' or a named function",
+                field="tool_choice",
+            )
+        tools = plan.tools if plan is not None else ()
+        prep.prompt_ids = await self.template.run(request.messages, prep.images, tools, request.prompt)
+        if plan is not None and plan.starts_with_call and marker is not None:
+            prep.prompt_ids.append(marker)  # the assistant's turn opens with its calls
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
@@ -265,6 +276,11 @@ class Preparation:
             if prep.grammar.error is not None:
                 job.fail(prep.grammar.error)  # type: ignore[arg-type]
 
+    def _grammar_trigger(self, request: ChatRequest) -> int | None:
+        """``auto`` tool calls: the grammar holds from the marker on."""
+        plan = request.tools
+        return self.template.tool_call_token if plan is not None and not plan.starts_with_call else None
+
     async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
         """What ``prepared`` gives, for the engine alone."""
         return (await self.prepared(job)).inp
@@ -293,6 +309,7 @@ class Preparation:
             image_embeds=prep.image_embeds,
             sampling=request.sampling,
             grammar=constraint.grammar if constraint is not None else None,
+            grammar_trigger=self._grammar_trigger(request),
             timings=dict(job.timings),
         )
         return PreparedInput(inp, constraint)

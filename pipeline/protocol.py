@@ -29,10 +29,16 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "Choice",
+    "ChoiceLogprobs",
     "ChunkChoice",
+    "Completion",
+    "CompletionChoice",
+    "CompletionLogprobs",
     "CompletionRequest",
     "ContentPart",
     "Delta",
+    "FunctionCall",
+    "FunctionCallDelta",
     "FunctionDefinition",
     "ImageContent",
     "ImageURL",
@@ -41,7 +47,11 @@ __all__ = [
     "NamedToolChoice",
     "StreamOptions",
     "TextContent",
+    "TokenLogprob",
     "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "TopLogprob",
     "Usage",
 ]
 
@@ -205,15 +215,37 @@ class Usage(_Out, kw_only=True):
     total_tokens: int
 
 
+class TopLogprob(_Out, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(_Out, kw_only=True):
+    """A sampled token's log probability (after the grammar mask, before the temperature), and the
+    ``top_logprobs`` most likely tokens of its step."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out, kw_only=True):
+    content: list[TokenLogprob] | None
+
+
 class AssistantMessage(_Out, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(_Out, kw_only=True):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(_Out, kw_only=True):
@@ -226,15 +258,31 @@ class ChatCompletion(_Out, kw_only=True):
     timings: dict[str, float] | None = None  # ours: seconds per preparation stage
 
 
+class FunctionCallDelta(_Out, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out, kw_only=True, omit_defaults=True):
+    """A piece of a streamed call: the first carries its id, type and name, the rest argument text."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class Delta(_Out, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(_Out, kw_only=True):
     index: int
     delta: Delta
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Out, kw_only=True):
@@ -243,6 +291,33 @@ class ChatCompletionChunk(_Out, kw_only=True):
     created: int
     model: str
     choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Out, kw_only=True):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out, kw_only=True):
+    index: int  # prompt i's choice j is index i * n + j
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_Out, kw_only=True):
+    """A completions response, and each chunk of a streamed one (``usage`` only on the last, if asked)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 

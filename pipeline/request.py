@@ -10,14 +10,14 @@ so a client knows what to fix. Runs on the event loop, or in a worker thread for
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from pipeline.constraints import CONSTRAINT_FIELDS, parse_constraint
-from pipeline.protocol import ChatCompletionRequest, ChatMessage, ImageContent, ImageURL
+from pipeline.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageContent, ImageURL
+from pipeline.tools import ToolPlan, plan_tools, template_call_id
 from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, TextPart
 from pipeline.wire import decode_body
 from sampling.params import SamplingParams
@@ -30,6 +30,8 @@ __all__ = [
     "SamplingParams",
     "TextPart",
     "parse_chat_request",
+    "request_grammar",
+    "sampling_params",
 ]
 
 
@@ -38,6 +40,8 @@ class ChatRequest:
     messages: tuple[Message, ...]
     sampling: SamplingParams
     grammar: GrammarSpec | None = None
+    tools: ToolPlan | None = None  # the answer may (auto) or must call these tools
+    prompt: str | list[int] | None = None  # a completions request: the raw prompt, no chat template
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -52,35 +56,30 @@ def _fail(message: str, field_name: str) -> InvalidRequest:
     return InvalidRequest(message, field=field_name, stage="admission")
 
 
-# Declared in the protocol, not honoured yet: anything but the default is refused by name (rule 7).
-_NOT_YET: dict[str, Callable[[Any], bool]] = {
-    "tools": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
-    "logprobs": bool,
-    "top_logprobs": bool,
-    "presence_penalty": bool,
-    "frequency_penalty": bool,
-    "logit_bias": bool,
-}
-
-
-def _check_not_yet(body: ChatCompletionRequest) -> None:
-    for name, is_set in _NOT_YET.items():
-        if is_set(getattr(body, name)):
-            raise _fail(f"'{name}' is not supported by this server yet", name)
+def _tool_fields(message: ChatMessage, where: str) -> tuple[tuple[tuple[str, str, str], ...], str | None]:
+    """An assistant's earlier calls and a tool message's call id, with ids as the template takes them."""
+    if message.tool_calls is not None and message.role != "assistant":
+        raise _fail("only assistant messages carry tool_calls", f"{where}.tool_calls")
+    if (message.role == "tool") != (message.tool_call_id is not None):
+        raise _fail("a tool message, and only a tool message, needs 'tool_call_id'", f"{where}.tool_call_id")
+    calls = tuple(
+        (template_call_id(call.id), call.function.name, call.function.arguments) for call in message.tool_calls or ()
+    )
+    call_id = template_call_id(message.tool_call_id) if message.tool_call_id is not None else None
+    return calls, call_id
 
 
 def _message(message: ChatMessage, where: str, images: list[ImagePart]) -> Message:
-    if message.role == "tool" or message.tool_call_id is not None:
-        raise _fail("tool messages are not supported by this server yet", f"{where}.role")
-    for name in ("name", "tool_calls"):
-        if getattr(message, name) is not None:
-            raise _fail(f"'{name}' is not supported by this server yet", f"{where}.{name}")
+    if message.name is not None:
+        raise _fail("'name' is not supported by this server", f"{where}.name")
+    calls, call_id = _tool_fields(message, where)
     content = message.content
+    if content is None and calls:
+        return Message(role=message.role, parts=(), tool_calls=calls)
     if content is None:
         raise _fail("content must be a string or a non-empty list of parts", f"{where}.content")
     if isinstance(content, str):
-        return Message(role=message.role, parts=(TextPart(content),))
+        return Message(role=message.role, parts=(TextPart(content),), tool_calls=calls, tool_call_id=call_id)
     parts: list[TextPart | ImagePart] = []
     for j, part in enumerate(content):
         if isinstance(part, ImageContent):
@@ -92,7 +91,7 @@ def _message(message: ChatMessage, where: str, images: list[ImagePart]) -> Messa
             parts.append(TextPart(part.text))
     if message.role != "user" and any(isinstance(p, ImagePart) for p in parts):
         raise _fail("only user messages may carry images", f"{where}.content")
-    return Message(role=message.role, parts=tuple(parts))
+    return Message(role=message.role, parts=tuple(parts), tool_calls=calls, tool_call_id=call_id)
 
 
 def _messages(raw: list[ChatMessage], max_images: int) -> tuple[Message, ...]:
@@ -105,7 +104,25 @@ def _messages(raw: list[ChatMessage], max_images: int) -> tuple[Message, ...]:
     return tuple(messages)
 
 
-def _sampling(body: ChatCompletionRequest, default_max_tokens: int, max_model_len: int) -> SamplingParams:
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    bias = []
+    for key, value in (raw or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise _fail(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", f"logit_bias.{key}")
+        bias.append((token, value))
+    return tuple(bias)
+
+
+def sampling_params(
+    body: ChatCompletionRequest | CompletionRequest,
+    default_max_tokens: int,
+    max_model_len: int,
+    *,
+    logprobs: int | None = None,
+    vocab_size: int = 1 << 31,
+) -> SamplingParams:
+    """The sampling fields both endpoints share; ``logprobs``: top log probabilities per token (None: off)."""
     name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
         name, max_tokens = "max_tokens", body.max_tokens
@@ -123,10 +140,21 @@ def _sampling(body: ChatCompletionRequest, default_max_tokens: int, max_model_le
         n=body.n or 1,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
     )
 
 
-def _grammar(body: ChatCompletionRequest, raw: Any) -> GrammarSpec | None:
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise _fail("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def request_grammar(body: ChatCompletionRequest | CompletionRequest, raw: Any) -> GrammarSpec | None:
+    """The one structured-output constraint of ``body`` (``raw``: the body as sent, for field order)."""
     given = {name: value for name in CONSTRAINT_FIELDS if (value := getattr(body, name)) is not None}
     if len(given) > 1:
         # two constraints are refused naming the second in body order, which only the raw body keeps
@@ -140,6 +168,7 @@ def parse_chat_request(
     max_images: int = 8,
     default_max_tokens: int = 256,
     max_model_len: int = 8192,
+    vocab_size: int = 1 << 31,
     request_id: str | None = None,
 ) -> ChatRequest:
     """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object).
@@ -147,11 +176,16 @@ def parse_chat_request(
     :raises InvalidRequest: naming the first offending field.
     """
     typed = decode_body(body, ChatCompletionRequest)
-    _check_not_yet(typed)
+    grammar = request_grammar(typed, body)
+    tools = plan_tools(typed, grammar is not None)
+    sampling = sampling_params(
+        typed, default_max_tokens, max_model_len, logprobs=_chat_logprobs(typed), vocab_size=vocab_size
+    )
     request = ChatRequest(
         messages=_messages(typed.messages, max_images),
-        sampling=_sampling(typed, default_max_tokens, max_model_len),
-        grammar=_grammar(typed, body),
+        sampling=sampling,
+        grammar=tools.grammar if tools is not None else grammar,
+        tools=tools,
         stream=bool(typed.stream),
         include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
         model=typed.model,

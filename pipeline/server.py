@@ -8,14 +8,13 @@ import anyio
 import msgspec
 from aiohttp import web
 
+from pipeline.completions_api import answer_completions
 from pipeline.errors import Overloaded, PipelineError
 from pipeline.handle import RequestHandle, Result
 from pipeline.pipeline import Pipeline
 from pipeline.protocol import (
-    AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
-    Choice,
     ChunkChoice,
     Delta,
     Model,
@@ -23,6 +22,7 @@ from pipeline.protocol import (
     Usage,
 )
 from pipeline.request import ChatRequest
+from pipeline.responses import ChatStream, TokenText, chat_choice
 
 __all__ = ["create_app"]
 
@@ -61,15 +61,13 @@ def _usage(result: Result) -> Usage:
     )
 
 
-def _completion(handle: RequestHandle, result: Result, model: str, created: int) -> ChatCompletion:
+def _completion(handle: RequestHandle, result: Result, model: str, created: int, tokens: TokenText) -> ChatCompletion:
+    wants_logprobs = handle.request.sampling.logprobs is not None
     return ChatCompletion(
         id=f"chatcmpl-{handle.request_id}",
         created=created,
         model=model,
-        choices=[
-            Choice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
-            for c in result.choices
-        ],
+        choices=[chat_choice(c, wants_logprobs, tokens) for c in result.choices],
         usage=_usage(result),
         timings=result.timings,
     )
@@ -93,12 +91,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         result = await handle.result()  # a disconnect cancels this task, and result() cancels the request
     except PipelineError as exc:
         return error_response(exc)
-    return _json(_completion(handle, result, model, created))
+    return _json(_completion(handle, result, model, created, token_text(pipe)))
 
 
 async def _stream(request: web.Request, handle: RequestHandle, model: str, created: int) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     chunk_id = f"chatcmpl-{handle.request_id}"
+    chunks = ChatStream(handle.request.sampling.logprobs is not None, token_text(request.app[PIPELINE_KEY]))
 
     async def send(choices: list[ChunkChoice], usage: Usage | None = None) -> None:
         chunk = ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage)
@@ -112,8 +111,9 @@ async def _stream(request: web.Request, handle: RequestHandle, model: str, creat
                 for i in range(handle.request.sampling.n):
                     await send([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
                 first = False
-            choice = ChunkChoice(index=delta.index, delta=Delta(content=delta.text), finish_reason=delta.finish_reason)
-            await send([choice])
+            choices = chunks.choices(delta)
+            if choices:
+                await send(choices)
         if first:
             await response.prepare(request)
         if handle.request.include_usage:
@@ -128,6 +128,21 @@ async def _stream(request: web.Request, handle: RequestHandle, model: str, creat
     except (ConnectionResetError, ConnectionError):
         handle.cancel()  # the client went away mid-stream
     return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    pipe = request.app[PIPELINE_KEY]
+    try:
+        raw = await request.read()
+        if len(raw) < INLINE_BODY_BYTES:
+            requests = pipe.parse_completions(raw)
+        else:  # rule 1, as for chat bodies
+            requests = await anyio.to_thread.run_sync(
+                pipe.parse_completions, raw, limiter=request.app[JSON_LIMITER_KEY]
+            )
+        return await answer_completions(request, pipe, requests, token_text(pipe))
+    except PipelineError as exc:
+        return error_response(exc)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -146,12 +161,18 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=pipe.metrics.render_prometheus(), content_type="text/plain")
 
 
+def token_text(pipe: Pipeline) -> TokenText:
+    """Each token's bytes, for log-probability entries."""
+    return TokenText(pipe.engine.engine.token_bytes.table)
+
+
 def create_app(pipe: Pipeline) -> web.Application:
     """The aiohttp application over a started ``Pipeline``."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[PIPELINE_KEY] = pipe
     app[JSON_LIMITER_KEY] = anyio.CapacityLimiter(1)  # decoding holds the GIL: one at a time
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

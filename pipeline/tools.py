@@ -29,9 +29,8 @@ from typing import Any, Literal
 from pipeline.protocol import ChatCompletionRequest, NamedToolChoice
 from pipeline.types import GrammarSpec, InvalidRequest
 
-__all__ = ["TOOL_CALL_MARKER", "ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
+__all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
 
-TOOL_CALL_MARKER = "[TOOL_CALLS]"
 _ALPHABET = string.ascii_letters + string.digits
 _ID_LENGTH = 9
 # a function without parameters takes exactly {}: a free-form object lets a weak model ramble

@@ -203,6 +203,9 @@ class ImagePart:
 class Message:
     role: str
     parts: tuple[TextPart | ImagePart, ...]
+    # an assistant's earlier calls: (id, function name, arguments JSON text), ids as the template takes them
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass(frozen=True, slots=True)
