@@ -148,7 +148,7 @@ def sampling_params(
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:
         raise _fail("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
 
