@@ -33,6 +33,14 @@ class ParsedCall:
     arguments: str = ""
 
 
+def _name(escaped: str) -> str:
+    """A JSON string body as text (the grammar makes it a valid one; raw if it somehow is not)."""
+    try:
+        return str(json.loads(f'"{escaped}"'))
+    except json.JSONDecodeError:
+        return escaped
+
+
 class _State(enum.Enum):
     OUTSIDE = "outside"  # between calls
     HEAD = "head"  # inside {"name": ..., "arguments":
@@ -64,7 +72,7 @@ class CallReader:
             elif state is _State.HEAD:
                 self._head += char
                 if (found := _HEAD.fullmatch(self._head)) is not None:
-                    self.calls.append(ParsedCall(json.loads(f'"{found[1]}"')))
+                    self.calls.append(ParsedCall(_name(found[1])))
                     events.append(CallStart(len(self.calls) - 1, self.calls[-1].name))
                     self._state = _State.BEFORE_ARGUMENTS
             elif state is _State.BEFORE_ARGUMENTS and char.isspace():

@@ -80,6 +80,9 @@ class TemplateStage:
             ids = list(prompt)
         elif prompt is not None:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and ids[:1] != [bos]:  # as the chat template starts: some tokenizers add none
+                ids.insert(0, bos)
         else:
             try:
                 text = self.tokenizer.apply_chat_template(

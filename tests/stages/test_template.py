@@ -85,7 +85,8 @@ async def test_tools_calls_and_results_render_in_the_mistral_format(stage: Templ
 
 async def test_raw_prompts_skip_the_template(stage: TemplateStage, hf_tokenizer: Any) -> None:
     assert await stage.run((), [], prompt=[1, 2000, 3000]) == [1, 2000, 3000]
-    assert await stage.run((), [], prompt="hello") == hf_tokenizer.encode("hello", add_special_tokens=True)
+    assert await stage.run((), [], prompt="hello") == [1, *hf_tokenizer.encode("hello", add_special_tokens=False)]
+    assert await stage.run((), [], prompt="") == [1]  # never an empty prompt
     with pytest.raises(InvalidRequest) as info:
         await stage.run((), [], prompt=[1, 10**9])
     assert info.value.field == "prompt"
