@@ -215,8 +215,11 @@ class RequestHandle:
                 error.message += f" (first answer and {self._resample_attempts} resamples)"
                 raise error
 
-    def cancel(self) -> None:
-        """End the request; what it holds in the stages and the engine is released."""
+    def cancel(self, error: PipelineError | None = None) -> None:
+        """End the request; what it holds in the stages and the engine is released. It ends with
+        ``error`` when given (a shutdown says so), else with ``RequestCancelled``."""
+        if error is not None and self._error is None and not self.is_done:
+            self._error = error.bind(request_id=self.request_id)
         self._scope.cancel()
 
     def __aiter__(self) -> AsyncIterator[Delta]:

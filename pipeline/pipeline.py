@@ -13,7 +13,7 @@ from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
 from pipeline.engine_factory import build_engine
-from pipeline.errors import Overloaded, ShuttingDown
+from pipeline.errors import ModelNotFound, Overloaded, ShuttingDown
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
 from pipeline.preparation import Preparation, PreparedRequest, build_grammar_stage
@@ -108,8 +108,13 @@ class Pipeline:
         return self._engine
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may carry; the first is the one responses report."""
+        return self.config.served_model_names or (self.checkpoint.model_name,)
+
+    @property
     def model_name(self) -> str:
-        return self.checkpoint.model_name
+        return self.model_names[0]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -160,12 +165,19 @@ class Pipeline:
     def parse(self, body: Any) -> ChatRequest:
         """:raises InvalidRequest: naming the offending field."""
         cfg = self.config
-        return parse_chat_request(
+        request = parse_chat_request(
             body,
             max_images=cfg.max_images_per_request,
             default_max_tokens=cfg.default_max_tokens,
             max_model_len=cfg.max_model_len,
         )
+        if request.model is not None and request.model not in self.model_names:
+            raise ModelNotFound(
+                f"The model '{request.model}' does not exist; this server serves {', '.join(self.model_names)}",
+                field="model",
+                stage="admission",
+            )
+        return request
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING:
@@ -255,18 +267,28 @@ class Pipeline:
             self.state = PipelineState.DRAINING
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running."""
+        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running
+        (they end with a 503 ``ShuttingDown`` that says so)."""
         with anyio.move_on_after(timeout_s):
             while self._handles:
                 await next(iter(self._handles)).wait_done()
             return True
         for handle in list(self._handles):
-            handle.cancel()
+            handle.cancel(
+                ShuttingDown(
+                    f"the server shut down before this request finished (it waited {timeout_s:g} s)",
+                    retry_after=self.config.retry_after_s,
+                )
+            )
         return False
+
+    def decoding(self) -> dict[str, int]:
+        """The decode engine now: sequences running and waiting, KV blocks, preemptions so far."""
+        return self._engine.stats() if self._engine is not None else {}
 
     def health(self) -> dict[str, Any]:
         status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"
-        return {"status": status, "pending": self._pending}
+        return {"status": status, "pending": self._pending, "decoding": self.decoding()}
 
     def resources(self) -> Resources:
         """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""
