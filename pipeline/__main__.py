@@ -78,6 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     from pipeline.config import PipelineConfig
     from pipeline.pipeline import Pipeline
     from pipeline.server import create_app
+    from pipeline.server_auth import resolve_api_key
     from pipeline.trace import Tracer
 
     config = PipelineConfig(
@@ -97,7 +98,8 @@ async def serve(args: argparse.Namespace) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
-        runner = web.AppRunner(create_app(pipe), handler_cancellation=True, access_log=None)
+        app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -159,6 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         help="structured-output backend; auto picks per request (default: %(default)s)",
     )
     s.add_argument("--allow-private-networks", action="store_true")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELINE_API_KEY; none: open)",
+    )
+    s.add_argument(
+        "--api-key-everywhere",
+        action="store_true",
+        help="require the key on /health, /metrics and /openapi.json too",
+    )
     s.add_argument(
         "--max-pending",
         type=int,

@@ -8,7 +8,7 @@ import time
 import anyio
 import msgspec
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from pipeline.errors import MethodNotAllowed, Overloaded, PayloadTooLarge, PipelineError, RouteNotFound
 from pipeline.handle import RequestHandle, Result
@@ -25,6 +25,7 @@ from pipeline.protocol import (
     Usage,
 )
 from pipeline.request import ChatRequest
+from pipeline.server_auth import api_key_middleware
 
 __all__ = ["create_app"]
 
@@ -183,9 +184,19 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=pipe.metrics.render_prometheus(), content_type="text/plain")
 
 
-def create_app(pipe: Pipeline, *, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
-    """The aiohttp application over a started ``Pipeline``."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
+def create_app(
+    pipe: Pipeline,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    protect_all: bool = False,
+) -> web.Application:
+    """The aiohttp application over a started ``Pipeline``; with ``api_key``, ``/v1/*`` requires it
+    (and every route with ``protect_all``)."""
+    middlewares: list[Middleware] = [openai_errors]
+    if api_key:
+        middlewares.append(api_key_middleware(api_key, protect_all=protect_all))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[BODY_LIMIT_KEY] = max_body_bytes
     app[PIPELINE_KEY] = pipe
     app[JSON_LIMITER_KEY] = anyio.CapacityLimiter(1)  # decoding holds the GIL: one at a time
