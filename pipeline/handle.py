@@ -124,8 +124,12 @@ class RequestHandle:
         finally:
             if self._error is not None:
                 outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
-            self._metrics.outcomes[f"request_{outcome}"] += 1
-            self._timings["total"] = anyio.current_time() - started
+            self._metrics.requests[outcome] += 1
+            self._timings["total"] = total = anyio.current_time() - started
+            first = self._timings.get("first_token")
+            if self._error is None and first is not None:
+                num_tokens = max(len(c.token_ids) for c in self._choices)  # the n choices decode side by side
+                self._metrics.observe_decode(first, total - first, num_tokens)
             self._end()
 
     def _end(self) -> None:

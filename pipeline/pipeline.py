@@ -72,6 +72,9 @@ class Pipeline:
         self.tracer = tracer
         self.with_engine = with_engine
         self.metrics = Metrics()
+        self.metrics.pending = lambda: self._pending
+        self.metrics.running = lambda: len(self._handles)
+        self.metrics.engine = self.decoding
         self.state = PipelineState.NEW
         self._checkpoint: Checkpoint | None = None
         self._encoder: VisionEncoder | None = None
@@ -183,7 +186,7 @@ class Pipeline:
         if self.state is not PipelineState.ACCEPTING:
             raise ShuttingDown("the pipeline is not accepting requests", retry_after=self.config.retry_after_s)
         if self._pending >= self.config.max_pending_requests:
-            self.metrics.outcomes["refused"] += 1
+            self.metrics.requests["refused"] += 1
             raise Overloaded(
                 f"{self._pending} requests in preparation; the limit is {self.config.max_pending_requests}",
                 retry_after=self.config.retry_after_s,
@@ -194,7 +197,7 @@ class Pipeline:
         try:
             self.preparation.admit(job)
         except anyio.WouldBlock:
-            self.metrics.outcomes["refused"] += 1
+            self.metrics.requests["refused"] += 1
             raise Overloaded(
                 "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
             ) from None
@@ -205,7 +208,7 @@ class Pipeline:
 
     def _job_left(self, job: Job[PreparedRequest]) -> None:
         self._pending -= 1
-        self.metrics.outcomes[job.outcome.state.value] += 1
+        self.metrics.jobs[job.outcome.state.value] += 1
         if self._pending == 0:
             self._idle.set()
             self._idle = anyio.Event()

@@ -136,11 +136,24 @@ class Preparation:
         )
         self.grammar = grammar
         self.num_kv_blocks = num_kv_blocks(cfg)
-        metrics.grammar_cache_hits = lambda: self.grammar.stats.hits
-        metrics.grammar_cache_misses = lambda: self.grammar.stats.misses
         metrics.grammar_compiles = lambda: self.grammar.stats.backends
+        metrics.grammar = self._grammar_stats
+        metrics.register_cache("grammar", self._grammar_cache_stats)
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
+
+    def _grammar_stats(self) -> dict[str, float]:
+        stats = self.grammar.stats
+        return {
+            "errors": stats.errors,
+            "timeouts": stats.timeouts,
+            "compiling": self.grammar.num_compiling,
+            "compile_seconds": stats.compile_seconds,
+        }
+
+    def _grammar_cache_stats(self) -> dict[str, float]:
+        stats = self.grammar.stats
+        return {"hits": stats.hits, "misses": stats.misses, "bytes": self.grammar.cached_bytes}
 
     def admit(self, job: Job[PreparedRequest]) -> None:
         """Put ``job`` into the first stage and start its grammar compile beside the stages.

@@ -9,6 +9,7 @@ import anyio
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline.errors import MethodNotAllowed, Overloaded, PayloadTooLarge, PipelineError, RouteNotFound
 from pipeline.handle import RequestHandle, Result
@@ -181,7 +182,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     pipe = request.app[PIPELINE_KEY]
-    return web.Response(text=pipe.metrics.render_prometheus(), content_type="text/plain")
+    body = generate_latest(pipe.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(

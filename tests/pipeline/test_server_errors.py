@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
@@ -158,3 +159,24 @@ async def test_health_reports_decoding(server: Server) -> None:
         "preemptions",
     }
     assert health["decoding"]["kv_blocks_total"] == 128
+
+
+async def test_metrics_through_prometheus_client(server: Server) -> None:
+    status, _ = await server.post({**user("x"), "regex": "a+"})
+    assert status == 200
+    async with server.session.get(f"{server.base}/metrics") as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=")
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families.values() for s in family.samples}
+    # requests and preparation jobs are separate metrics (earlier tests in this module failed some)
+    assert families["pipeline_requests"].type == families["pipeline_preparation_jobs"].type == "counter"
+    assert value[("pipeline_requests_total", (("outcome", "completed"),))] >= 1
+    assert value[("pipeline_preparation_jobs_total", (("outcome", "completed"),))] >= 1
+    for name in ("pipeline_time_to_first_token_seconds", "pipeline_time_per_output_token_seconds"):
+        assert families[name].type == "histogram" and value[(f"{name}_count", ())] >= 1
+    assert value[("pipeline_engine_kv_blocks", ())] == 128
+    assert value[("pipeline_engine_running_sequences", ())] == 0
+    assert ("pipeline_engine_preemptions_total", ()) in value
+    assert value[("pipeline_cache_misses_total", (("cache", "grammar"),))] >= 1
+    assert value[("pipeline_grammar_compiles_total", (("backend", "xgrammar"), ("reason", "default")))] >= 1
+    assert value[("pipeline_stage_completed_total", (("stage", "template"),))] >= 1

@@ -91,7 +91,7 @@ async def test_full_pipeline_refuses_admission_at_once(blocked_pipe: tuple[Pipel
             assert info.value.status == 429 and info.value.retry_after > 0
             release.set()
     assert len(results) == 4 and pipe.num_pending == 0
-    assert pipe.metrics.outcomes["refused"] == 1 and pipe.metrics.outcomes["completed"] == 4
+    assert pipe.metrics.requests["refused"] == 1 and pipe.metrics.jobs["completed"] == 4
 
 
 async def test_shutting_down_refuses_with_503() -> None:
@@ -130,7 +130,7 @@ async def test_max_pending_requests_is_the_bound_that_decides() -> None:
                     await pipe.prepare(body)
                 assert "the limit is 40" in info.value.message
                 release.set()
-        assert pipe.metrics.outcomes["completed"] == 40 and pipe.metrics.outcomes["refused"] == 1
+        assert pipe.metrics.jobs["completed"] == 40 and pipe.metrics.requests["refused"] == 1
 
 
 async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
@@ -146,4 +146,4 @@ async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
             with pytest.raises(ShuttingDown) as info:
                 await handle.result()
     assert info.value.status == 503 and "shut down before this request finished" in info.value.message
-    assert pipe.metrics.outcomes["request_failed"] == 1
+    assert pipe.metrics.requests["failed"] == 1
