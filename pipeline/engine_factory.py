@@ -11,7 +11,14 @@ from sampling.kv_cache import blocks_needed
 from sampling.model_runner import ModelRunner
 from vision.checkpoint import Checkpoint
 
-__all__ = ["build_engine", "build_llm_engine"]
+__all__ = ["build_engine", "build_llm_engine", "num_kv_blocks"]
+
+
+def num_kv_blocks(config: PipelineConfig) -> int:
+    """KV cache blocks of the engine ``config`` builds (default: max_running_seqs of max_model_len / 4)."""
+    return config.num_kv_blocks or config.max_running_seqs * blocks_needed(
+        config.max_model_len // 4, config.kv_block_size
+    )
 
 
 def build_llm_engine(
@@ -26,9 +33,7 @@ def build_llm_engine(
     """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly);
     ``runner``: the model and KV cache of another engine built from the same config, to share."""
     tokenizer_info = checkpoint.tokenizer_info
-    num_blocks = config.num_kv_blocks or config.max_running_seqs * blocks_needed(
-        config.max_model_len // 4, config.kv_block_size
-    )
+    num_blocks = num_kv_blocks(config)
     if runner is None:
         runner = ModelRunner(
             checkpoint,

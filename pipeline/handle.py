@@ -157,8 +157,12 @@ class RequestHandle:
         finally:
             if self._error is not None:
                 outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
-            self._metrics.outcomes[f"request_{outcome}"] += 1
-            self._timings["total"] = anyio.current_time() - started
+            self._metrics.requests[outcome] += 1
+            self._timings["total"] = total = anyio.current_time() - started
+            first = self._timings.get("first_token")
+            if self._error is None and first is not None:
+                num_tokens = max(len(c.token_ids) for c in self._choices)  # the n choices decode side by side
+                self._metrics.observe_decode(first, total - first, num_tokens)
             self._end()
 
     def _end(self) -> None:
@@ -248,8 +252,11 @@ class RequestHandle:
                 error.message += f" (first answer and {self._resample_attempts} resamples)"
                 raise error
 
-    def cancel(self) -> None:
-        """End the request; what it holds in the stages and the engine is released."""
+    def cancel(self, error: PipelineError | None = None) -> None:
+        """End the request; what it holds in the stages and the engine is released. It ends with
+        ``error`` when given (a shutdown says so), else with ``RequestCancelled``."""
+        if error is not None and self._error is None and not self.is_done:
+            self._error = error.bind(request_id=self.request_id)
         self._scope.cancel()
 
     def __aiter__(self) -> AsyncIterator[Delta]:

@@ -15,7 +15,7 @@ from anyio.abc import TaskGroup
 from pipeline.completion_request import parse_completion_request
 from pipeline.config import PipelineConfig
 from pipeline.engine_factory import build_engine
-from pipeline.errors import Overloaded, ShuttingDown
+from pipeline.errors import ModelNotFound, Overloaded, ShuttingDown
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
 from pipeline.preparation import Preparation, PreparedRequest, build_grammar_stage
@@ -74,6 +74,9 @@ class Pipeline:
         self.tracer = tracer
         self.with_engine = with_engine
         self.metrics = Metrics()
+        self.metrics.pending = lambda: self._pending
+        self.metrics.running = lambda: len(self._handles)
+        self.metrics.engine = self.decoding
         self.state = PipelineState.NEW
         self._checkpoint: Checkpoint | None = None
         self._encoder: VisionEncoder | None = None
@@ -115,8 +118,13 @@ class Pipeline:
         return len(self.checkpoint.tokenizer)
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may carry; the first is the one responses report."""
+        return self.config.served_model_names or (self.checkpoint.model_name,)
+
+    @property
     def model_name(self) -> str:
-        return self.checkpoint.model_name
+        return self.model_names[0]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -167,26 +175,38 @@ class Pipeline:
     def parse(self, body: Any) -> ChatRequest:
         """:raises InvalidRequest: naming the offending field."""
         cfg = self.config
-        return parse_chat_request(
+        request = parse_chat_request(
             body,
             max_images=cfg.max_images_per_request,
             default_max_tokens=cfg.default_max_tokens,
             max_model_len=cfg.max_model_len,
             vocab_size=self.vocab_size,
         )
+        self._check_model(request.model)
+        return request
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:
         """A completions body, one request per prompt. :raises InvalidRequest: naming the offending field."""
         cfg = self.config
-        return parse_completion_request(
+        requests = parse_completion_request(
             body, default_max_tokens=cfg.default_max_tokens, max_model_len=cfg.max_model_len, vocab_size=self.vocab_size
         )
+        self._check_model(requests[0].model)
+        return requests
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFound(
+                f"The model '{model}' does not exist; this server serves {', '.join(self.model_names)}",
+                field="model",
+                stage="admission",
+            )
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING:
             raise ShuttingDown("the pipeline is not accepting requests", retry_after=self.config.retry_after_s)
         if self._pending >= self.config.max_pending_requests:
-            self.metrics.outcomes["refused"] += 1
+            self.metrics.requests["refused"] += 1
             raise Overloaded(
                 f"{self._pending} requests in preparation; the limit is {self.config.max_pending_requests}",
                 retry_after=self.config.retry_after_s,
@@ -197,7 +217,7 @@ class Pipeline:
         try:
             self.preparation.admit(job)
         except anyio.WouldBlock:
-            self.metrics.outcomes["refused"] += 1
+            self.metrics.requests["refused"] += 1
             raise Overloaded(
                 "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
             ) from None
@@ -208,7 +228,7 @@ class Pipeline:
 
     def _job_left(self, job: Job[PreparedRequest]) -> None:
         self._pending -= 1
-        self.metrics.outcomes[job.outcome.state.value] += 1
+        self.metrics.jobs[job.outcome.state.value] += 1
         if self._pending == 0:
             self._idle.set()
             self._idle = anyio.Event()
@@ -270,18 +290,28 @@ class Pipeline:
             self.state = PipelineState.DRAINING
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running."""
+        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running
+        (they end with a 503 ``ShuttingDown`` that says so)."""
         with anyio.move_on_after(timeout_s):
             while self._handles:
                 await next(iter(self._handles)).wait_done()
             return True
         for handle in list(self._handles):
-            handle.cancel()
+            handle.cancel(
+                ShuttingDown(
+                    f"the server shut down before this request finished (it waited {timeout_s:g} s)",
+                    retry_after=self.config.retry_after_s,
+                )
+            )
         return False
+
+    def decoding(self) -> dict[str, int]:
+        """The decode engine now: sequences running and waiting, KV blocks, preemptions so far."""
+        return self._engine.stats() if self._engine is not None else {}
 
     def health(self) -> dict[str, Any]:
         status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"
-        return {"status": status, "pending": self._pending}
+        return {"status": status, "pending": self._pending, "decoding": self.decoding()}
 
     def resources(self) -> Resources:
         """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import anyio
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline.completions_api import answer_completions
-from pipeline.errors import Overloaded, PipelineError
+from pipeline.errors import MethodNotAllowed, Overloaded, PayloadTooLarge, PipelineError, RouteNotFound
 from pipeline.handle import RequestHandle, Result
 from pipeline.pipeline import Pipeline
 from pipeline.protocol import (
@@ -23,11 +26,15 @@ from pipeline.protocol import (
 )
 from pipeline.request import ChatRequest
 from pipeline.responses import ChatStream, TokenText, chat_choice
+from pipeline.server_auth import api_key_middleware
 
 __all__ = ["create_app"]
 
+logger = logging.getLogger(__name__)
+
 PIPELINE_KEY = web.AppKey("pipeline", Pipeline)
 JSON_LIMITER_KEY = web.AppKey("json_limiter", anyio.CapacityLimiter)
+BODY_LIMIT_KEY = web.AppKey("body_limit", int)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Bodies above this are decoded in a worker thread: msgspec decodes and validates 1 MB of base64
 # image body in 0.28 ms, so below it the loop stalls well under a millisecond (rule 1).
@@ -41,6 +48,38 @@ def error_response(error: PipelineError) -> web.Response:
         headers["Retry-After"] = str(max(1, round(error.retry_after)))
     # a 5xx was logged once, with its traceback and request id, where it happened
     return web.json_response({"error": error.to_dict()}, status=error.status, headers=headers)
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> PipelineError:
+    """aiohttp's own refusals (no route, wrong method, body over the cap) as typed errors."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app[BODY_LIMIT_KEY]
+        return PayloadTooLarge(f"the request body is over the limit of {limit} bytes", field="body")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path} (allowed: {allowed})")
+    if isinstance(exc, web.HTTPNotFound):
+        return RouteNotFound(f"no route {request.method} {request.path}")
+    error = PipelineError(exc.reason)
+    error.status = exc.status  # an instance attribute: the class keeps its own
+    return error
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's JSON shape, aiohttp's own 404/405/413 included."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = error_response(_http_error(exc, request))
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return response
+    except Exception as exc:  # a bug: a 500 in OpenAI's shape, logged once with its traceback
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(PipelineError(f"internal error ({type(exc).__name__})"))
 
 
 async def _parse_request(request: web.Request) -> ChatRequest:
@@ -147,7 +186,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     pipe = request.app[PIPELINE_KEY]
-    return _json(ModelList(data=[Model(id=pipe.model_name)]))
+    return _json(ModelList(data=[Model(id=name) for name in pipe.model_names]))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -158,7 +197,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     pipe = request.app[PIPELINE_KEY]
-    return web.Response(text=pipe.metrics.render_prometheus(), content_type="text/plain")
+    body = generate_latest(pipe.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def token_text(pipe: Pipeline) -> TokenText:
@@ -166,9 +206,20 @@ def token_text(pipe: Pipeline) -> TokenText:
     return TokenText(pipe.engine.engine.token_bytes.table)
 
 
-def create_app(pipe: Pipeline) -> web.Application:
-    """The aiohttp application over a started ``Pipeline``."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+def create_app(
+    pipe: Pipeline,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    protect_all: bool = False,
+) -> web.Application:
+    """The aiohttp application over a started ``Pipeline``; with ``api_key``, ``/v1/*`` requires it
+    (and every route with ``protect_all``)."""
+    middlewares: list[Middleware] = [openai_errors]
+    if api_key:
+        middlewares.append(api_key_middleware(api_key, protect_all=protect_all))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    app[BODY_LIMIT_KEY] = max_body_bytes
     app[PIPELINE_KEY] = pipe
     app[JSON_LIMITER_KEY] = anyio.CapacityLimiter(1)  # decoding holds the GIL: one at a time
     app.router.add_post("/v1/chat/completions", chat_completions)

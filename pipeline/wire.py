@@ -19,7 +19,7 @@ import msgspec
 
 from pipeline.types import InvalidRequest
 
-__all__ = ["decode_body", "find_lone_surrogate", "loads_body"]
+__all__ = ["MAX_DEPTH", "check_tree", "decode_body", "loads_body", "validation_error"]
 
 T = TypeVar("T")
 
@@ -27,6 +27,8 @@ _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+_SURROGATE = "the text holds a lone UTF-16 surrogate, which is not valid Unicode"
+MAX_DEPTH = 128  # nesting of a body given as Python objects (JSON bodies: the decoders' own limits)
 
 
 def _fail(message: str, field: str) -> InvalidRequest:
@@ -56,26 +58,31 @@ def validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
     return _fail(message, _field(path))
 
 
-def find_lone_surrogate(value: Any) -> str | None:
-    """The path of the first string (key or value) holding a lone UTF-16 surrogate, else None.
+def check_tree(value: Any) -> InvalidRequest | None:
+    """The error of the first string (key or value) holding a lone UTF-16 surrogate, or of the first
+    value nested deeper than ``MAX_DEPTH``; None when there is neither.
 
-    Iterative, so a deeply nested value cannot exhaust the stack. Such a string cannot be encoded
-    as UTF-8: the tokenizer and the response writer would fail on it mid-request.
+    Iterative, so a deeply nested value cannot exhaust the stack. A lone surrogate cannot be encoded
+    as UTF-8 (the tokenizer and the response writer would fail on it mid-request); a value nested
+    thousands deep would exhaust the recursion of whatever reads it next (a grammar compiler).
+    JSON bodies meet the same rules where they are decoded.
     """
-    stack: list[tuple[str, Any]] = [("", value)]
+    stack: list[tuple[str, int, Any]] = [("", 0, value)]
     while stack:
-        path, item = stack.pop()
+        path, depth, item = stack.pop()
+        if depth > MAX_DEPTH:
+            return _fail(f"the body is nested more than {MAX_DEPTH} deep", path or "body")
         if isinstance(item, str):
             if not item.isascii() and not _encodes(item):
-                return path or "body"
+                return _fail(_SURROGATE, path or "body")
         elif isinstance(item, dict):
             for key, child in reversed(item.items()):
                 where = _join(path, str(key))
                 if isinstance(key, str) and not key.isascii() and not _encodes(key):
-                    return where
-                stack.append((where, child))
+                    return _fail(_SURROGATE, where)
+                stack.append((where, depth + 1, child))
         elif isinstance(item, list | tuple):
-            stack.extend((f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item))))
+            stack.extend((f"{path}[{i}]", depth + 1, child) for i, child in reversed(list(enumerate(item))))
     return None
 
 
@@ -108,8 +115,8 @@ def loads_body(raw: bytes) -> Any:
 
 
 def _convert(obj: Any, kind: type[T]) -> T:
-    if (where := find_lone_surrogate(obj)) is not None:
-        raise _fail("the text holds a lone UTF-16 surrogate, which is not valid Unicode", where)
+    if (error := check_tree(obj)) is not None:
+        raise error
     if isinstance(obj, dict) and any(value is None for value in obj.values()):
         fields = kind.__struct_fields__  # type: ignore[attr-defined]
         obj = {k: v for k, v in obj.items() if v is not None or k in fields}

@@ -145,7 +145,12 @@ class GrammarStage:
         started = time.perf_counter()
         limiter = self.limiter if backend == "xgrammar" else self.fast_limiter
         try:
-            compiled = await anyio.to_thread.run_sync(self._compile_sync, backend, spec, limiter=limiter)
+            # Jobs are cancelled only when the pipeline shuts down (a waiter's cancellation never reaches
+            # them): then nobody waits for the result, and a compile cannot be interrupted (xgrammar's
+            # worst took 72 s here), so the shutdown does not wait for the thread either.
+            compiled = await anyio.to_thread.run_sync(
+                self._compile_sync, backend, spec, limiter=limiter, abandon_on_cancel=True
+            )
             result: CompiledConstraint | PipelineError = CompiledConstraint(
                 spec.kind, backend, reason, compiled.grammar, compiled.check, compiled.nbytes
             )
