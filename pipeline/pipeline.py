@@ -13,7 +13,7 @@ from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
 from pipeline.engine_factory import build_engine
-from pipeline.errors import ModelNotFound, Overloaded, ShuttingDown
+from pipeline.errors import Overloaded, ShuttingDown
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
 from pipeline.preparation import Preparation, PreparedRequest, build_grammar_stage
@@ -166,21 +166,15 @@ class Pipeline:
 
     # -- admission ----------------------------------------------------------------------------
     def parse(self, body: Any) -> ChatRequest:
-        """:raises InvalidRequest: naming the offending field."""
+        """:raises InvalidRequest: naming the offending field. :raises ModelNotFound: a model not served."""
         cfg = self.config
-        request = parse_chat_request(
+        return parse_chat_request(
             body,
             max_images=cfg.max_images_per_request,
             default_max_tokens=cfg.default_max_tokens,
             max_model_len=cfg.max_model_len,
+            model_names=self.model_names,
         )
-        if request.model is not None and request.model not in self.model_names:
-            raise ModelNotFound(
-                f"The model '{request.model}' does not exist; this server serves {', '.join(self.model_names)}",
-                field="model",
-                stage="admission",
-            )
-        return request
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING:

@@ -33,6 +33,8 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "Delta",
+    "ErrorObject",
+    "ErrorResponse",
     "FunctionDefinition",
     "ImageContent",
     "ImageURL",
@@ -111,12 +113,12 @@ class Tool(_Body, kw_only=True):
     type: Literal["function"] = "function"
 
 
-class _FunctionName(_Body, kw_only=True):
+class FunctionName(_Body, kw_only=True):
     name: NonEmptyStr
 
 
 class NamedToolChoice(_Body, kw_only=True):
-    function: _FunctionName
+    function: FunctionName
     type: Literal["function"] = "function"
 
 
@@ -244,6 +246,23 @@ class ChatCompletionChunk(_Out, kw_only=True):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+class ErrorObject(_Out, kw_only=True):
+    """OpenAI's error object; ``param`` names the offending field of a 4xx."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    stage: str | None = None  # ours: where it failed
+    request_id: str | None = None  # ours: the id the server logged it under
+    path: str | None = None  # ours, 422 only: JSON pointer into the answer where it broke
+    reason: str | None = None  # ours, 422 only: the keyword that failed
+
+
+class ErrorResponse(_Out, kw_only=True):
+    error: ErrorObject
 
 
 class Model(_Out, kw_only=True):

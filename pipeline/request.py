@@ -18,7 +18,7 @@ import msgspec
 
 from pipeline.constraints import CONSTRAINT_FIELDS, parse_constraint
 from pipeline.protocol import ChatCompletionRequest, ChatMessage, ImageContent, ImageURL
-from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, TextPart
+from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, ModelNotFound, TextPart
 from pipeline.wire import decode_body
 from sampling.params import SamplingParams
 
@@ -51,6 +51,9 @@ class ChatRequest:
 def _fail(message: str, field_name: str) -> InvalidRequest:
     return InvalidRequest(message, field=field_name, stage="admission")
 
+
+_MIN_TEMPERATURE = 1e-5
+_MIN_TOP_P = 1e-6
 
 # Declared in the protocol, not honoured yet: anything but the default is refused by name (rule 7).
 _NOT_YET: dict[str, Callable[[Any], bool]] = {
@@ -114,10 +117,15 @@ def _sampling(body: ChatCompletionRequest, default_max_tokens: int, max_model_le
     elif max_tokens > max_model_len:
         raise _fail(f"'{name}' must be at most max_model_len ({max_model_len}), got {max_tokens}", name)
     stop = body.stop
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        # The sampler works in fp32: logits / 4e-85 divides by zero (found by the fuzzer: NaN
+        # probabilities sampled token 0 past the grammar's mask), and a top_p of 1e-300 rounds to 0
+        # and filters every token out. Below these bounds the answer is the greedy one anyway.
+        temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
+        top_p=max(top_p, _MIN_TOP_P),
         top_k=body.top_k or 0,
         seed=body.seed,
         n=body.n or 1,
@@ -140,13 +148,21 @@ def parse_chat_request(
     max_images: int = 8,
     default_max_tokens: int = 256,
     max_model_len: int = 8192,
+    model_names: tuple[str, ...] | None = None,
     request_id: str | None = None,
 ) -> ChatRequest:
-    """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object).
+    """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
+    the names ``model`` may carry (None: any).
 
-    :raises InvalidRequest: naming the first offending field.
+    :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
     typed = decode_body(body, ChatCompletionRequest)
+    if model_names is not None and typed.model is not None and typed.model not in model_names:
+        raise ModelNotFound(
+            f"The model '{typed.model}' does not exist; this server serves {', '.join(model_names)}",
+            field="model",
+            stage="admission",
+        )
     _check_not_yet(typed)
     request = ChatRequest(
         messages=_messages(typed.messages, max_images),
