@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from pipeline.protocol import CompletionRequest
-from pipeline.request import ChatRequest, request_grammar, sampling_params
+from pipeline.request import ChatRequest, check_model, request_grammar, sampling_params
 from pipeline.types import InvalidRequest
 from pipeline.wire import decode_body
 
@@ -50,12 +50,15 @@ def parse_completion_request(
     default_max_tokens: int = 256,
     max_model_len: int = 8192,
     vocab_size: int = 1 << 31,
+    model_names: tuple[str, ...] | None = None,
 ) -> list[ChatRequest]:
-    """Validate a completions body: one request per prompt, ids ``cmpl-...-i``.
+    """Validate a completions body: one request per prompt, ids ``cmpl-...-i``; ``model_names``: the
+    names ``model`` may carry (None: any).
 
-    :raises InvalidRequest: naming the first offending field.
+    :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
     typed = decode_body(body, CompletionRequest)
+    check_model(typed.model, model_names)
     if typed.echo:
         raise _fail("'echo' is not supported by this server", "echo")
     if typed.suffix is not None:

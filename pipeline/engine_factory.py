@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.config import PipelineConfig
+from pipeline.errors import PromptTooLong
 from pipeline.trace import Tracer
 from sampling.async_engine import AsyncEngine
 from sampling.detokenizer import TokenBytes
@@ -11,7 +12,7 @@ from sampling.kv_cache import blocks_needed
 from sampling.model_runner import ModelRunner
 from vision.checkpoint import Checkpoint
 
-__all__ = ["build_engine", "build_llm_engine", "num_kv_blocks"]
+__all__ = ["build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
 
 
 def num_kv_blocks(config: PipelineConfig) -> int:
@@ -19,6 +20,29 @@ def num_kv_blocks(config: PipelineConfig) -> int:
     return config.num_kv_blocks or config.max_running_seqs * blocks_needed(
         config.max_model_len // 4, config.kv_block_size
     )
+
+
+def check_fits(config: PipelineConfig, num_prompt: int, n: int, where: str = "messages") -> None:
+    """Refuse (400) a prompt the engine ``config`` builds could never run, before more work is done on it
+    (``where``: the field that holds the prompt).
+
+    :raises PromptTooLong: no room to generate within max_model_len, or ``n`` copies of the prompt
+        need more KV blocks than the whole cache has (the engine would fail them with a 500).
+    """
+    if num_prompt >= config.max_model_len:
+        raise PromptTooLong(
+            f"the prompt is {num_prompt} tokens; max_model_len is {config.max_model_len}, "
+            "which must leave room for at least one generated token",
+            field=where,
+        )
+    block = config.kv_block_size
+    need, held = blocks_needed(num_prompt + 1, block) * n, num_kv_blocks(config)
+    if need > held:
+        raise PromptTooLong(
+            f"{n} sequence(s) of this {num_prompt}-token prompt need {need * block} tokens of KV cache; "
+            f"the whole cache holds {held * block}",
+            field="n" if n > 1 else where,
+        )
 
 
 def build_llm_engine(

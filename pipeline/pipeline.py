@@ -15,7 +15,7 @@ from anyio.abc import TaskGroup
 from pipeline.completion_request import parse_completion_request
 from pipeline.config import PipelineConfig
 from pipeline.engine_factory import build_engine
-from pipeline.errors import ModelNotFound, Overloaded, ShuttingDown
+from pipeline.errors import Overloaded, ShuttingDown
 from pipeline.handle import RequestHandle
 from pipeline.metrics import Metrics
 from pipeline.preparation import Preparation, PreparedRequest, build_grammar_stage
@@ -173,34 +173,28 @@ class Pipeline:
 
     # -- admission ----------------------------------------------------------------------------
     def parse(self, body: Any) -> ChatRequest:
-        """:raises InvalidRequest: naming the offending field."""
+        """:raises InvalidRequest: naming the offending field. :raises ModelNotFound: a model not served."""
         cfg = self.config
-        request = parse_chat_request(
+        return parse_chat_request(
             body,
             max_images=cfg.max_images_per_request,
             default_max_tokens=cfg.default_max_tokens,
             max_model_len=cfg.max_model_len,
             vocab_size=self.vocab_size,
+            model_names=self.model_names,
         )
-        self._check_model(request.model)
-        return request
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:
-        """A completions body, one request per prompt. :raises InvalidRequest: naming the offending field."""
+        """A completions body, one request per prompt. :raises InvalidRequest: naming the offending field.
+        :raises ModelNotFound: a model not served."""
         cfg = self.config
-        requests = parse_completion_request(
-            body, default_max_tokens=cfg.default_max_tokens, max_model_len=cfg.max_model_len, vocab_size=self.vocab_size
+        return parse_completion_request(
+            body,
+            default_max_tokens=cfg.default_max_tokens,
+            max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            model_names=self.model_names,
         )
-        self._check_model(requests[0].model)
-        return requests
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ModelNotFound(
-                f"The model '{model}' does not exist; this server serves {', '.join(self.model_names)}",
-                field="model",
-                stage="admission",
-            )
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING:

@@ -16,15 +16,14 @@ import torch
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
-from pipeline.engine_factory import num_kv_blocks
-from pipeline.errors import InvalidRequest, PipelineError, PromptTooLong
+from pipeline.engine_factory import check_fits
+from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest
 from pipeline.staged import Job, StageWorkers, run_each
 from pipeline.trace import Tracer
 from pipeline.types import Outcome
 from sampling.inputs import EngineInput
-from sampling.kv_cache import blocks_needed
 from sampling.llguidance_backend import LLGuidanceBackend
 from stages.decode import DecodeStage
 from stages.fetch import FetchStage
@@ -135,25 +134,11 @@ class Preparation:
             else None
         )
         self.grammar = grammar
-        self.num_kv_blocks = num_kv_blocks(cfg)
         metrics.grammar_compiles = lambda: self.grammar.stats.backends
-        metrics.grammar = self._grammar_stats
-        metrics.register_cache("grammar", self._grammar_cache_stats)
+        metrics.grammar = self.grammar.counters
+        metrics.register_cache("grammar", self.grammar.cache_counters)
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
-
-    def _grammar_stats(self) -> dict[str, float]:
-        stats = self.grammar.stats
-        return {
-            "errors": stats.errors,
-            "timeouts": stats.timeouts,
-            "compiling": self.grammar.num_compiling,
-            "compile_seconds": stats.compile_seconds,
-        }
-
-    def _grammar_cache_stats(self) -> dict[str, float]:
-        stats = self.grammar.stats
-        return {"hits": stats.hits, "misses": stats.misses, "bytes": self.grammar.cached_bytes}
 
     def admit(self, job: Job[PreparedRequest]) -> None:
         """Put ``job`` into the first stage and start its grammar compile beside the stages.
@@ -262,29 +247,9 @@ class Preparation:
         prep.prompt_ids = await self.template.run(request.messages, prep.images, tools, request.prompt)
         if plan is not None and plan.starts_with_call and marker is not None:
             prep.prompt_ids.append(marker)  # the assistant's turn opens with its calls
-        self._check_fits(len(prep.prompt_ids), request.sampling.n, "messages" if request.prompt is None else "prompt")
-
-    def _check_fits(self, num_prompt: int, n: int, where: str) -> None:
-        """Refuse (400) a prompt the engine could never run, before any more work is done on it.
-
-        :raises PromptTooLong: no room to generate within max_model_len, or ``n`` copies of the
-            prompt need more KV blocks than the whole cache has.
-        """
-        cfg = self.config
-        if num_prompt >= cfg.max_model_len:
-            raise PromptTooLong(
-                f"the prompt is {num_prompt} tokens; max_model_len is {cfg.max_model_len}, "
-                "which must leave room for at least one generated token",
-                field=where,
-            )
-        need = blocks_needed(num_prompt + 1, cfg.kv_block_size) * n
-        if need > self.num_kv_blocks:
-            held = self.num_kv_blocks * cfg.kv_block_size
-            raise PromptTooLong(
-                f"{n} sequence(s) of this {num_prompt}-token prompt need {need * cfg.kv_block_size} tokens of "
-                f"KV cache; the whole cache holds {held}",
-                field="n" if n > 1 else where,
-            )
+        check_fits(
+            self.config, len(prep.prompt_ids), request.sampling.n, "messages" if request.prompt is None else "prompt"
+        )
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload

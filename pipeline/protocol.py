@@ -39,6 +39,8 @@ __all__ = [
     "Delta",
     "FunctionCall",
     "FunctionCallDelta",
+    "ErrorObject",
+    "ErrorResponse",
     "FunctionDefinition",
     "ImageContent",
     "ImageURL",
@@ -121,12 +123,12 @@ class Tool(_Body, kw_only=True):
     type: Literal["function"] = "function"
 
 
-class _FunctionName(_Body, kw_only=True):
+class FunctionName(_Body, kw_only=True):
     name: NonEmptyStr
 
 
 class NamedToolChoice(_Body, kw_only=True):
-    function: _FunctionName
+    function: FunctionName
     type: Literal["function"] = "function"
 
 
@@ -319,6 +321,23 @@ class Completion(_Out, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class ErrorObject(_Out, kw_only=True):
+    """OpenAI's error object; ``param`` names the offending field of a 4xx."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    stage: str | None = None  # ours: where it failed
+    request_id: str | None = None  # ours: the id the server logged it under
+    path: str | None = None  # ours, 422 only: JSON pointer into the answer where it broke
+    reason: str | None = None  # ours, 422 only: the keyword that failed
+
+
+class ErrorResponse(_Out, kw_only=True):
+    error: ErrorObject
 
 
 class Model(_Out, kw_only=True):

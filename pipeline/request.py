@@ -18,7 +18,7 @@ import msgspec
 from pipeline.constraints import CONSTRAINT_FIELDS, parse_constraint
 from pipeline.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageContent, ImageURL
 from pipeline.tools import ToolPlan, plan_tools, template_call_id
-from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, TextPart
+from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, ModelNotFound, TextPart
 from pipeline.wire import decode_body
 from sampling.params import SamplingParams
 
@@ -29,6 +29,7 @@ __all__ = [
     "Message",
     "SamplingParams",
     "TextPart",
+    "check_model",
     "parse_chat_request",
     "request_grammar",
     "sampling_params",
@@ -54,6 +55,10 @@ class ChatRequest:
 
 def _fail(message: str, field_name: str) -> InvalidRequest:
     return InvalidRequest(message, field=field_name, stage="admission")
+
+
+_MIN_TEMPERATURE = 1e-5
+_MIN_TOP_P = 1e-6
 
 
 def _tool_fields(message: ChatMessage, where: str) -> tuple[tuple[tuple[str, str, str], ...], str | None]:
@@ -131,10 +136,15 @@ def sampling_params(
     elif max_tokens > max_model_len:
         raise _fail(f"'{name}' must be at most max_model_len ({max_model_len}), got {max_tokens}", name)
     stop = body.stop
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        # The sampler works in fp32: logits / 4e-85 divides by zero (found by the fuzzer: NaN
+        # probabilities sampled token 0 past the grammar's mask), and a top_p of 1e-300 rounds to 0
+        # and filters every token out. Below these bounds the answer is the greedy one anyway.
+        temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
+        top_p=max(top_p, _MIN_TOP_P),
         top_k=body.top_k or 0,
         seed=body.seed,
         n=body.n or 1,
@@ -162,6 +172,16 @@ def request_grammar(body: ChatCompletionRequest | CompletionRequest, raw: Any) -
     return parse_constraint(given)
 
 
+def check_model(model: str | None, model_names: tuple[str, ...] | None) -> None:
+    """:raises ModelNotFound: (404) ``model`` is set and not among ``model_names`` (None: any)."""
+    if model_names is not None and model is not None and model not in model_names:
+        raise ModelNotFound(
+            f"The model '{model}' does not exist; this server serves {', '.join(model_names)}",
+            field="model",
+            stage="admission",
+        )
+
+
 def parse_chat_request(
     body: bytes | Any,
     *,
@@ -169,13 +189,16 @@ def parse_chat_request(
     default_max_tokens: int = 256,
     max_model_len: int = 8192,
     vocab_size: int = 1 << 31,
+    model_names: tuple[str, ...] | None = None,
     request_id: str | None = None,
 ) -> ChatRequest:
-    """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object).
+    """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
+    the names ``model`` may carry (None: any).
 
-    :raises InvalidRequest: naming the first offending field.
+    :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
     typed = decode_body(body, ChatCompletionRequest)
+    check_model(typed.model, model_names)
     grammar = request_grammar(typed, body)
     tools = plan_tools(typed, grammar is not None)
     sampling = sampling_params(

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pipeline.completions_api import answer_completions
 from pipeline.errors import MethodNotAllowed, Overloaded, PayloadTooLarge, PipelineError, RouteNotFound
 from pipeline.handle import RequestHandle, Result
+from pipeline.openapi import ROUTES, openapi_document
 from pipeline.pipeline import Pipeline
 from pipeline.protocol import (
     ChatCompletion,
@@ -206,6 +207,13 @@ def token_text(pipe: Pipeline) -> TokenText:
     return TokenText(pipe.engine.engine.token_bytes.table)
 
 
+_OPENAPI = msgspec.json.encode(openapi_document())
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=_OPENAPI, content_type="application/json")
+
+
 def create_app(
     pipe: Pipeline,
     *,
@@ -222,9 +230,14 @@ def create_app(
     app[BODY_LIMIT_KEY] = max_body_bytes
     app[PIPELINE_KEY] = pipe
     app[JSON_LIMITER_KEY] = anyio.CapacityLimiter(1)  # decoding holds the GIL: one at a time
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    handlers = {
+        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions,
+        "/v1/models": list_models,
+        "/health": health,
+        "/metrics": metrics,
+        "/openapi.json": openapi,
+    }
+    for route in ROUTES:  # the OpenAPI document's table: every route served is documented
+        app.router.add_route(route.method.upper(), route.path, handlers[route.path])
     return app

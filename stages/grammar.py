@@ -127,6 +127,25 @@ class GrammarStage:
         if entry is not None:
             self._cached_bytes -= entry.nbytes if isinstance(entry, CompiledConstraint) else _ERROR_BYTES
 
+    def counters(self) -> dict[str, float]:
+        """Compile errors, timeouts, jobs in flight and seconds spent (for metrics)."""
+        stats = self.stats
+        return {
+            "errors": stats.errors,
+            "timeouts": stats.timeouts,
+            "compiling": self.num_compiling,
+            "compile_seconds": stats.compile_seconds,
+        }
+
+    def cache_counters(self) -> dict[str, float]:
+        """The cache's hits, misses, bytes and entries (for metrics)."""
+        return {
+            "hits": self.stats.hits,
+            "misses": self.stats.misses,
+            "bytes": self._cached_bytes,
+            "entries": len(self._cache),
+        }
+
     # -- compile jobs -----------------------------------------------------------------------------
     @property
     def num_compiling(self) -> int:

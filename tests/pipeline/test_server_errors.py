@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import PipelineConfig
+from pipeline.openapi import openapi_document
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
 from tests.images import data_url, encode, make_image
@@ -180,3 +181,17 @@ async def test_metrics_through_prometheus_client(server: Server) -> None:
     assert value[("pipeline_cache_misses_total", (("cache", "grammar"),))] >= 1
     assert value[("pipeline_grammar_compiles_total", (("backend", "xgrammar"), ("reason", "default")))] >= 1
     assert value[("pipeline_stage_completed_total", (("stage", "template"),))] >= 1
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 4.281702269685447e-85}, {"top_p": 1e-300, "temperature": 1}])
+async def test_sampling_knobs_too_small_for_fp32_are_greedy(server: Server, extra: dict[str, float]) -> None:
+    # found by the fuzzer: logits / 4e-85 in fp32 is a division by zero, and the NaN probabilities
+    # sampled a token the grammar had masked (a 500)
+    status, body = await server.post({**user(""), "choice": ["0", "1"], **extra})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] in ("0", "1")
+
+
+async def test_openapi_json_is_served(server: Server) -> None:
+    async with server.session.get(f"{server.base}/openapi.json") as resp:
+        assert resp.status == 200 and await resp.json() == openapi_document()
