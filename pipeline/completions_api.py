@@ -63,14 +63,23 @@ async def _submit_all(pipe: Pipeline, requests: list[ChatRequest]) -> list[Reque
 class _Stream:
     """Writes one completion stream; chunks of every prompt, in the order they come."""
 
-    def __init__(self, response: web.StreamResponse, base: Completion, tokens: TokenText, n: int) -> None:
-        self.response, self.base, self.tokens, self.n = response, base, tokens, n
+    def __init__(self, request: web.Request, base: Completion, tokens: TokenText, n: int) -> None:
+        self.request, self.base, self.tokens, self.n = request, base, tokens, n
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         self.offsets: dict[int, int] = {}
         self.lock = anyio.Lock()
 
     async def write(self, payload: object) -> None:
         async with self.lock:  # one writer at a time: prompts stream from tasks of their own
+            if not self.response.prepared:  # on the first chunk: an error before it is still a plain 4xx
+                await self.response.prepare(self.request)
             await self.response.write(b"data: " + msgspec.json.encode(payload) + b"\n\n")
+
+    async def write_done(self) -> None:
+        async with self.lock:
+            if not self.response.prepared:
+                await self.response.prepare(self.request)
+            await self.response.write(b"data: [DONE]\n\n")
 
     async def send(self, prompt: int, delta: AnswerDelta, wants_logprobs: bool) -> None:
         index = prompt * self.n + delta.index
@@ -90,7 +99,7 @@ async def answer_completions(
 ) -> web.StreamResponse:
     """Submit every prompt and answer them as one completion (streamed or whole).
 
-    :raises PipelineError: a refusal at admission, or the first prompt's error when not streaming.
+    :raises PipelineError: a refusal at admission, or the first error of a prompt before anything was sent.
     """
     handles = await _submit_all(pipe, requests)
     first = requests[0]
@@ -115,9 +124,8 @@ async def answer_completions(
         choices = [choice(i, c) for i, r in enumerate(results) for c in r.choices]
         body = msgspec.structs.replace(base, choices=choices, usage=_usage(results))
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    stream = _Stream(response, base, tokens, n)
+    stream = _Stream(request, base, tokens, n)
+    response = stream.response
     error: PipelineError | None = None
     gone = False
     try:
@@ -138,6 +146,8 @@ async def answer_completions(
     if error is not None:
         for handle in handles:
             handle.cancel()
+        if not response.prepared:
+            raise error
         await stream.write({"error": error.to_dict()})  # headers are gone: in-band, as OpenAI does
-    await response.write(b"data: [DONE]\n\n")
+    await stream.write_done()
     return response
