@@ -57,21 +57,53 @@ def _fail(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, field=field, stage="admission")
 
 
-def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters if parameters is not None else _NO_PARAMETERS},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
 
 
+def _has_local_ref(value: Any) -> bool:
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in value.values())
+    return isinstance(value, list) and any(_has_local_ref(v) for v in value)
+
+
+def _rebased(value: Any, prefix: str) -> Any:
+    """``value`` with every local ``$ref`` (``#/definitions/x``, ``#``) pointing under ``prefix``."""
+    if isinstance(value, dict):
+        return {
+            k: prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, prefix)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_rebased(v, prefix) for v in value]
+    return value
+
+
 def _calls_schema(functions: list[tuple[str, dict[str, Any] | None]], *, single: bool) -> dict[str, Any]:
-    calls = [_call_schema(name, parameters) for name, parameters in functions]
+    """The call array. A function's parameters with local ``$ref``s (``#/definitions/x`` means its own
+    root) move under ``$defs`` of the array's schema, their refs re-pointed there."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, parameters in functions:
+        arguments = parameters if parameters is not None else _NO_PARAMETERS
+        if _has_local_ref(arguments):
+            # an $id would make its refs resolve against another base than the one they are moved to
+            moved = {k: v for k, v in arguments.items() if k not in ("$id", "$schema")}
+            defs[name] = _rebased(moved, f"#/$defs/{name}")
+            arguments = {"$ref": f"#/$defs/{name}"}
+        calls.append(_call_schema(name, arguments))
     schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     schema["minItems"] = 1
     if single:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

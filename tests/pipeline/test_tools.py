@@ -102,3 +102,27 @@ def test_the_reader_gives_names_first_and_the_exact_arguments_in_any_chunks(size
         first = events.index(starts[index])
         fragments = [e[1] for e in events[first:] if isinstance(e, tuple) and e[0] == index]
         assert "".join(fragments) == arguments
+
+
+def test_parameters_with_local_refs_keep_their_meaning(grammar_compilers: tuple[Any, Any]) -> None:
+    """``#/definitions/x`` in a function's parameters means its own root, not the call array's."""
+    parameters = {
+        "$id": "https://example.com/p.json",
+        "type": "object",
+        "definitions": {
+            "unit": {"enum": ["C", "F"]},
+            "node": {"type": "object", "properties": {"next": {"$ref": "#"}}},
+        },
+        "properties": {"unit": {"$ref": "#/definitions/unit"}, "tree": {"$ref": "#/definitions/node"}},
+        "required": ["unit"],
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    plan = plan_tools(body(tools=[tool, TIME], tool_choice="required"), False)
+    assert plan is not None
+    schema = plan.grammar.value
+    jsonschema.validate([{"name": "f", "arguments": {"unit": "C", "tree": {"next": {"unit": "F"}}}}], schema)
+    for bad in ({"unit": "K"}, {"unit": "C", "tree": {"next": {"unit": 1}}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "f", "arguments": bad}], schema)
+    for compiler in grammar_compilers:  # both backends resolve the moved refs
+        assert compiler.compile(plan.grammar).grammar is not None
