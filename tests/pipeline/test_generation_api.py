@@ -11,6 +11,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
+import anyio
 import jsonschema
 import openai
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.pipeline import Pipeline
 from pipeline.server import create_app
+from tests.released import assert_released
 from tests.servers import serving
 
 WEATHER_ARGS = {
@@ -217,3 +220,17 @@ async def test_completions_take_the_same_constraints(client: openai.AsyncOpenAI)
         await client.completions.create(model="m", prompt=[[1, 2], "mixed"], max_tokens=2)  # type: ignore[list-item]
     with pytest.raises(openai.BadRequestError, match="prompt"):
         await client.completions.create(model="m", prompt=[1, 10**9], max_tokens=2)
+
+
+async def test_an_abandoned_completions_stream_releases_every_prompt(api: tuple[Pipeline, openai.AsyncOpenAI]) -> None:
+    pipe, client = api
+    body = {"model": "m", "prompt": ["one", "two", "three"], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    cancelled = pipe.metrics.requests["cancelled"]
+    with anyio.fail_after(30):
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{client.base_url}completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.content.readline()).startswith(b"data: ")
+                resp.close()  # the client goes away mid-stream
+        await assert_released(pipe)
+    assert pipe.metrics.requests["cancelled"] == cancelled + 3  # each prompt's request ends, cancelled
