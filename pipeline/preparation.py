@@ -75,6 +75,7 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         max_concurrent=config.grammar_max_concurrent_compiles,
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
+        abandon_on_shutdown=config.grammar_abandon_on_shutdown,
     )
 
 
