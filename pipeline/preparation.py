@@ -237,7 +237,8 @@ class Preparation:
     async def _template_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
         prep.prompt_ids = await self.template.run(prep.request.messages, prep.images)
-        check_fits(self.config, len(prep.prompt_ids), prep.request.sampling.n)
+        sampling = prep.request.sampling
+        check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens)
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
