@@ -85,6 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
         model=args.model,
         served_model_names=tuple(args.served_model_name or ()),
         grammar_backend=args.grammar_backend,
+        grammar_abandon_on_shutdown=True,  # exit within --shutdown-timeout, whatever still compiles
         device=args.device,
         allow_private_networks=args.allow_private_networks,
         inline_preparation=args.inline_preparation,

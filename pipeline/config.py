@@ -78,6 +78,10 @@ class PipelineConfig:
     # "llguidance" forces one (llguidance where it can compile the kind), for benchmarks and operators
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 30.0
+    # A shutdown leaves compile threads running instead of waiting for them (one C++ call each that
+    # cannot be interrupted; xgrammar's worst took 72 s here). The server sets it, so that it exits
+    # within --shutdown-timeout; a library user's `async with Pipeline` waits (nothing left running).
+    grammar_abandon_on_shutdown: bool = False
     # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
     # writes "{" followed by whitespace until max_tokens.
     json_any_whitespace: bool = False

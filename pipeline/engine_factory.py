@@ -22,12 +22,14 @@ def num_kv_blocks(config: PipelineConfig) -> int:
     )
 
 
-def check_fits(config: PipelineConfig, num_prompt: int, n: int, where: str = "messages") -> None:
-    """Refuse (400) a prompt the engine ``config`` builds could never run, before more work is done on it
+def check_fits(config: PipelineConfig, num_prompt: int, n: int, max_tokens: int, where: str = "messages") -> None:
+    """Refuse (400) a request the engine ``config`` builds could never run, before more work is done
     (``where``: the field that holds the prompt).
 
-    :raises PromptTooLong: no room to generate within max_model_len, or ``n`` copies of the prompt
-        need more KV blocks than the whole cache has (the engine would fail them with a 500).
+    :raises PromptTooLong: no room to generate within max_model_len; ``n`` copies of the prompt need
+        more KV blocks than the whole cache has; or one sequence may outgrow the whole cache before
+        ``max_tokens`` (possible only with a cache smaller than max_model_len). The engine would
+        fail each of these with a 500, the last one mid-answer.
     """
     if num_prompt >= config.max_model_len:
         raise PromptTooLong(
@@ -35,13 +37,20 @@ def check_fits(config: PipelineConfig, num_prompt: int, n: int, where: str = "me
             "which must leave room for at least one generated token",
             field=where,
         )
-    block = config.kv_block_size
-    need, held = blocks_needed(num_prompt + 1, block) * n, num_kv_blocks(config)
+    block, held = config.kv_block_size, num_kv_blocks(config)
+    need = blocks_needed(num_prompt + 1, block) * n
     if need > held:
         raise PromptTooLong(
             f"{n} sequence(s) of this {num_prompt}-token prompt need {need * block} tokens of KV cache; "
             f"the whole cache holds {held * block}",
             field="n" if n > 1 else where,
+        )
+    longest = min(num_prompt + max_tokens, config.max_model_len)
+    if blocks_needed(longest, block) > held:
+        raise PromptTooLong(
+            f"this {num_prompt}-token prompt plus max_tokens may grow to {longest} tokens; the whole KV cache "
+            f"holds {held * block}",
+            field="max_tokens",
         )
 
 

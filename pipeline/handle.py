@@ -141,8 +141,13 @@ class RequestHandle:
                 gate: AnswerGate[Delta] | None = None
                 if constraint is not None:
                     self._grammar_backend = constraint.backend
+                    spec = self.request.grammar
                     gate = AnswerGate(
-                        constraint.check, constraint.backend, self.request.stream, self._metrics.answer_checks
+                        constraint.check,
+                        constraint.backend,
+                        self.request.stream,
+                        self._metrics.answer_checks,
+                        constraint_field=spec.field if spec is not None else None,
                     )
                 await self._decode(inp, started, gate)
                 if gate is not None and gate.failed:

@@ -75,6 +75,7 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         max_concurrent=config.grammar_max_concurrent_compiles,
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
+        abandon_on_shutdown=config.grammar_abandon_on_shutdown,
     )
 
 
@@ -247,9 +248,8 @@ class Preparation:
         prep.prompt_ids = await self.template.run(request.messages, prep.images, tools, request.prompt)
         if plan is not None and plan.starts_with_call and marker is not None:
             prep.prompt_ids.append(marker)  # the assistant's turn opens with its calls
-        check_fits(
-            self.config, len(prep.prompt_ids), request.sampling.n, "messages" if request.prompt is None else "prompt"
-        )
+        sampling, where = request.sampling, "messages" if request.prompt is None else "prompt"
+        check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens, where)
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload

@@ -80,6 +80,7 @@ class GrammarStage:
         max_concurrent: int = 2,
         xgrammar_budget_s: float = 0.5,
         backend: str = "auto",
+        abandon_on_shutdown: bool = False,
     ) -> None:
         if backend not in ("auto", "xgrammar", "llguidance"):
             raise ValueError(f"backend must be auto, xgrammar or llguidance, got {backend!r}")
@@ -98,6 +99,9 @@ class GrammarStage:
         self._cached_bytes = 0
         self._flights: dict[tuple[str, str], Outcome[CompiledConstraint]] = {}  # (backend, key) -> job
         self._tg: TaskGroup | None = None
+        # False: a shutdown waits for the compile threads (nothing keeps running after the stage);
+        # True: it leaves them running (a server that must exit within its shutdown timeout)
+        self.abandon_on_shutdown = abandon_on_shutdown
 
     def attach(self, tg: TaskGroup) -> None:
         """Run compile jobs in ``tg`` (the pipeline's); without one, the first caller runs the job shielded."""
@@ -166,9 +170,9 @@ class GrammarStage:
         try:
             # Jobs are cancelled only when the pipeline shuts down (a waiter's cancellation never reaches
             # them): then nobody waits for the result, and a compile cannot be interrupted (xgrammar's
-            # worst took 72 s here), so the shutdown does not wait for the thread either.
+            # worst took 72 s here).
             compiled = await anyio.to_thread.run_sync(
-                self._compile_sync, backend, spec, limiter=limiter, abandon_on_cancel=True
+                self._compile_sync, backend, spec, limiter=limiter, abandon_on_cancel=self.abandon_on_shutdown
             )
             result: CompiledConstraint | PipelineError = CompiledConstraint(
                 spec.kind, backend, reason, compiled.grammar, compiled.check, compiled.nbytes

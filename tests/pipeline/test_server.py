@@ -197,6 +197,7 @@ async def test_an_answer_that_fails_its_check_is_a_422_with_the_path(served: Ser
             assert resp.status == 422
             error = (await resp.json())["error"]
         assert error["type"] == "invalid_answer" and error["reason"] == "uniqueItems" and error["path"] == ""
+        assert error["param"] == "response_format.json_schema.schema"  # the constraint the answer failed
         async with session.post(f"{served.base}/v1/chat/completions", json={**body, "stream": True}) as resp:
             assert resp.status == 200
             events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]

@@ -10,7 +10,7 @@ import pytest
 from anyio.abc import TaskStatus
 
 from pipeline import PipelineConfig
-from pipeline.errors import Overloaded, ShuttingDown
+from pipeline.errors import Overloaded, PromptTooLong, ShuttingDown
 from pipeline.metrics import StageMetrics
 from pipeline.pipeline import Pipeline
 from pipeline.staged import Job, StageWorkers
@@ -147,3 +147,15 @@ async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
                 await handle.result()
     assert info.value.status == 503 and "shut down before this request finished" in info.value.message
     assert pipe.metrics.requests["failed"] == 1
+
+
+async def test_a_sequence_that_may_outgrow_the_whole_kv_cache_is_a_400() -> None:
+    # 8 blocks of 16: 128 tokens of cache under a max_model_len of 512
+    async with Pipeline(PipelineConfig(max_running_seqs=2, num_kv_blocks=8, max_model_len=512)) as pipe:
+        body = {"messages": [{"role": "user", "content": "go"}], "ignore_eos": True}
+        with pytest.raises(PromptTooLong) as info:
+            await pipe.prepare({**body, "max_tokens": 200})
+        assert info.value.field == "max_tokens" and "holds 128" in info.value.message
+        handle = await pipe.submit({**body, "max_tokens": 20})
+        with anyio.fail_after(60):
+            assert len((await handle.result()).token_ids) == 20
