@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -77,10 +78,14 @@ async def serve(args: argparse.Namespace) -> None:
     from pipeline.config import PipelineConfig
     from pipeline.pipeline import Pipeline
     from pipeline.server import create_app
+    from pipeline.server_auth import resolve_api_key
     from pipeline.trace import Tracer
 
     config = PipelineConfig(
         model=args.model,
+        served_model_names=tuple(args.served_model_name or ()),
+        grammar_backend=args.grammar_backend,
+        grammar_abandon_on_shutdown=True,  # exit within --shutdown-timeout, whatever still compiles
         device=args.device,
         allow_private_networks=args.allow_private_networks,
         inline_preparation=args.inline_preparation,
@@ -94,7 +99,8 @@ async def serve(args: argparse.Namespace) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
-        runner = web.AppRunner(create_app(pipe), handler_cancellation=True, access_log=None)
+        app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -117,6 +123,16 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"trace: {tracer.num_events} events written to {args.trace}", flush=True)
 
 
+def _exit_without_waiting_for_threads() -> None:
+    """Exit now if worker threads still run: a grammar compile abandoned at shutdown is one C++ call
+    that cannot be interrupted, and the interpreter would wait for it past --shutdown-timeout."""
+    main = threading.main_thread()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not main):
+        print("exiting without waiting for abandoned grammar compiles", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def _default(name: str) -> object:
     """The default of ``PipelineConfig.<name>``: CLI options default to the config, never to a copy of it."""
     import dataclasses
@@ -133,8 +149,29 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model", default=_default("model"), help="checkpoint folder (default: the embedded model)")
+    s.add_argument(
+        "--served-model-name",
+        action="append",
+        help="a name requests may give as 'model' (repeatable; the first is reported); default: the checkpoint's",
+    )
     s.add_argument("--device", default=_default("device"), help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    s.add_argument(
+        "--grammar-backend",
+        default=_default("grammar_backend"),
+        choices=["auto", "xgrammar", "llguidance"],
+        help="structured-output backend; auto picks per request (default: %(default)s)",
+    )
     s.add_argument("--allow-private-networks", action="store_true")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELINE_API_KEY; none: open)",
+    )
+    s.add_argument(
+        "--api-key-everywhere",
+        action="store_true",
+        help="require the key on /health, /metrics and /openapi.json too",
+    )
     s.add_argument(
         "--max-pending",
         type=int,
@@ -162,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0)
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a shutdown waits for requests in flight; those left get a 503 (default: %(default)s)",
+    )
     s.add_argument(
         "--switch-interval-ms",
         type=float,
@@ -177,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         asyncio.run(serve(args))
+        _exit_without_waiting_for_threads()
         return 0
     return run_bench(args)
 

@@ -51,6 +51,7 @@ class AnswerGate(Generic[D]):
     backend: str
     is_streaming: bool
     counts: Counter[tuple[str, str, str]]  # (backend, "passed" | "failed", reason): the /metrics counter
+    constraint_field: str | None = None  # the request field the constraint came from: the 422's param
     _held: dict[int, list[D]] = field(default_factory=dict)
     failed: dict[int, InvalidAnswer] = field(default_factory=dict)  # choice index -> why it failed
 
@@ -88,6 +89,7 @@ class AnswerGate(Generic[D]):
             f"the answer does not satisfy the constraint{where}: {violation.message}",
             path=violation.path,
             reason=reason,
+            field=self.constraint_field,
             stage="answer_check",
         )
 

@@ -23,13 +23,19 @@ class PipelineConfig:
 
     # -- model --
     model: str | None = None
+    # the names a request's "model" may carry (the first is the one reported); empty: the
+    # checkpoint folder's name. Any other name is a 404 model_not_found.
+    served_model_names: tuple[str, ...] = ()
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     # -- admission --
-    max_pending_requests: int = 256  # requests admitted and not yet finished; beyond it: Overloaded
+    # Requests admitted and not yet out of the preparation stages; beyond it: Overloaded (429). This
+    # is the bound that decides: the first stage's inbox is sized to hold that many, so a burst is
+    # never refused earlier by a full inbox (the stages behind it still hold stage_queue_size each).
+    max_pending_requests: int = 256
     retry_after_s: float = 1.0
-    stage_queue_size: int = 16  # inbox of every stage
+    stage_queue_size: int = 16  # inbox of every stage after the first
 
     # -- fetch --
     allow_private_networks: bool = False
@@ -75,6 +81,10 @@ class PipelineConfig:
     # "llguidance" forces one (llguidance where it can compile the kind), for benchmarks and operators
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 30.0
+    # A shutdown leaves compile threads running instead of waiting for them (one C++ call each that
+    # cannot be interrupted; xgrammar's worst took 72 s here). The server sets it, so that it exits
+    # within --shutdown-timeout; a library user's `async with Pipeline` waits (nothing left running).
+    grammar_abandon_on_shutdown: bool = False
     # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
     # writes "{" followed by whitespace until max_tokens.
     json_any_whitespace: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.config import PipelineConfig
+from pipeline.errors import PromptTooLong
 from pipeline.trace import Tracer
 from sampling.async_engine import AsyncEngine
 from sampling.detokenizer import TokenBytes
@@ -11,7 +12,46 @@ from sampling.kv_cache import blocks_needed
 from sampling.model_runner import ModelRunner
 from vision.checkpoint import Checkpoint
 
-__all__ = ["build_engine", "build_llm_engine"]
+__all__ = ["build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
+
+
+def num_kv_blocks(config: PipelineConfig) -> int:
+    """KV cache blocks of the engine ``config`` builds (default: max_running_seqs of max_model_len / 4)."""
+    return config.num_kv_blocks or config.max_running_seqs * blocks_needed(
+        config.max_model_len // 4, config.kv_block_size
+    )
+
+
+def check_fits(config: PipelineConfig, num_prompt: int, n: int, max_tokens: int, where: str = "messages") -> None:
+    """Refuse (400) a request the engine ``config`` builds could never run, before more work is done
+    (``where``: the field that holds the prompt).
+
+    :raises PromptTooLong: no room to generate within max_model_len; ``n`` copies of the prompt need
+        more KV blocks than the whole cache has; or one sequence may outgrow the whole cache before
+        ``max_tokens`` (possible only with a cache smaller than max_model_len). The engine would
+        fail each of these with a 500, the last one mid-answer.
+    """
+    if num_prompt >= config.max_model_len:
+        raise PromptTooLong(
+            f"the prompt is {num_prompt} tokens; max_model_len is {config.max_model_len}, "
+            "which must leave room for at least one generated token",
+            field=where,
+        )
+    block, held = config.kv_block_size, num_kv_blocks(config)
+    need = blocks_needed(num_prompt + 1, block) * n
+    if need > held:
+        raise PromptTooLong(
+            f"{n} sequence(s) of this {num_prompt}-token prompt need {need * block} tokens of KV cache; "
+            f"the whole cache holds {held * block}",
+            field="n" if n > 1 else where,
+        )
+    longest = min(num_prompt + max_tokens, config.max_model_len)
+    if blocks_needed(longest, block) > held:
+        raise PromptTooLong(
+            f"this {num_prompt}-token prompt plus max_tokens may grow to {longest} tokens; the whole KV cache "
+            f"holds {held * block}",
+            field="max_tokens",
+        )
 
 
 def build_llm_engine(
@@ -26,9 +66,7 @@ def build_llm_engine(
     """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly);
     ``runner``: the model and KV cache of another engine built from the same config, to share."""
     tokenizer_info = checkpoint.tokenizer_info
-    num_blocks = config.num_kv_blocks or config.max_running_seqs * blocks_needed(
-        config.max_model_len // 4, config.kv_block_size
-    )
+    num_blocks = num_kv_blocks(config)
     if runner is None:
         runner = ModelRunner(
             checkpoint,

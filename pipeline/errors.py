@@ -6,6 +6,7 @@ This is the public import path: ``from pipeline.errors import InvalidRequest``.
 from __future__ import annotations
 
 from pipeline.types import (
+    AuthenticationFailed,
     DeadlineExceeded,
     EngineError,
     GrammarError,
@@ -13,16 +14,20 @@ from pipeline.types import (
     ImageFetchError,
     InvalidAnswer,
     InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
     Overloaded,
     PayloadTooLarge,
     PipelineError,
     PromptTooLong,
     RequestCancelled,
+    RouteNotFound,
     ShuttingDown,
     UnsupportedSchemaError,
 )
 
 __all__ = [
+    "AuthenticationFailed",
     "DeadlineExceeded",
     "EngineError",
     "GrammarError",
@@ -30,11 +35,14 @@ __all__ = [
     "ImageFetchError",
     "InvalidAnswer",
     "InvalidRequest",
+    "MethodNotAllowed",
+    "ModelNotFound",
     "Overloaded",
     "PayloadTooLarge",
     "PipelineError",
     "PromptTooLong",
     "RequestCancelled",
+    "RouteNotFound",
     "ShuttingDown",
     "UnsupportedSchemaError",
 ]

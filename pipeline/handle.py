@@ -20,6 +20,8 @@ from pipeline.trace import Tracer
 from pipeline.types import Mailbox, Outcome
 from sampling.async_engine import EngineQueueFull
 from sampling.inputs import EngineInput, SeqOutput
+from sampling.logits_process import TokenLogprob
+from stages.template import TOOL_CALL_MARKER
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +34,37 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    is_call: bool = False  # ``text`` continues the choice's tool-call array (``Choice.call_text``)
 
 
 @dataclass
 class Choice:
     index: int
-    text: str = ""
+    text: str = ""  # the answer's text (with tools: what the model wrote before any call)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    call_text: str | None = None  # the tool-call array the model wrote; None: it called no tool
+
+    def add(self, out: SeqOutput, trigger: int | None) -> Delta:
+        """Take one engine output (``trigger``: the token that opens the calls); the delta to pass on."""
+        self.token_ids += out.token_ids
+        self.finish_reason = out.finish_reason
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        text, is_call = out.text, self.call_text is not None
+        if not is_call and trigger is not None and trigger in out.token_ids:
+            # the marker token's own text (if its tokenizer gives it one) belongs to neither part
+            before, marker, after = text.partition(TOOL_CALL_MARKER)
+            self.text += before if marker else text
+            self.call_text, text, is_call = "", after if marker else "", True
+        if is_call:
+            assert self.call_text is not None
+            self.call_text += text
+        else:
+            self.text += text
+        return Delta(self.index, text, out.token_ids, out.finish_reason, out.logprobs, is_call)
 
 
 @dataclass
@@ -84,7 +109,7 @@ class RequestHandle:
         self._engine = engine
         self._metrics = metrics
         n = request.sampling.n
-        self._choices = [Choice(i) for i in range(n)]
+        self._choices = [self._new_choice(i) for i in range(n)]
         self._deltas: Mailbox[Delta] = Mailbox()  # bounded by max_tokens * n
         self._outcome: Outcome[Result] = Outcome()
         self._error: PipelineError | None = None
@@ -93,6 +118,14 @@ class RequestHandle:
         self._timings: dict[str, float] = {}
         self._grammar_backend: str | None = None
         self._num_resamples = 0
+
+    def _new_choice(self, index: int) -> Choice:
+        plan = self.request.tools
+        return Choice(index, call_text="" if plan is not None and plan.starts_with_call else None)
+
+    def _checked(self, choice: Choice) -> str | None:
+        """What the answer check reads of ``choice``; None: it has nothing to check."""
+        return choice.call_text if self.request.tools is not None else choice.text
 
     async def run(self, prepared: Awaitable[PreparedInput]) -> None:
         """Prepare, then decode; every exit ends the handle with exactly one outcome."""
@@ -108,8 +141,13 @@ class RequestHandle:
                 gate: AnswerGate[Delta] | None = None
                 if constraint is not None:
                     self._grammar_backend = constraint.backend
+                    spec = self.request.grammar
                     gate = AnswerGate(
-                        constraint.check, constraint.backend, self.request.stream, self._metrics.answer_checks
+                        constraint.check,
+                        constraint.backend,
+                        self.request.stream,
+                        self._metrics.answer_checks,
+                        constraint_field=spec.field if spec is not None else None,
                     )
                 await self._decode(inp, started, gate)
                 if gate is not None and gate.failed:
@@ -124,8 +162,12 @@ class RequestHandle:
         finally:
             if self._error is not None:
                 outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
-            self._metrics.outcomes[f"request_{outcome}"] += 1
-            self._timings["total"] = anyio.current_time() - started
+            self._metrics.requests[outcome] += 1
+            self._timings["total"] = total = anyio.current_time() - started
+            first = self._timings.get("first_token")
+            if self._error is None and first is not None:
+                num_tokens = max(len(c.token_ids) for c in self._choices)  # the n choices decode side by side
+                self._metrics.observe_decode(first, total - first, num_tokens)
             self._end()
 
     def _end(self) -> None:
@@ -155,11 +197,9 @@ class RequestHandle:
                 if self._tracer is not None:
                     self._tracer.instant("first token", self.request_id)
             choice = choices[out.index]
-            choice.text += out.text
-            choice.token_ids += out.token_ids
-            choice.finish_reason = out.finish_reason
-            delta = Delta(out.index, out.text, out.token_ids, out.finish_reason)
-            for passed in gate.feed(delta, choice.text) if gate is not None else [delta]:
+            delta = choice.add(out, inp.grammar_trigger)
+            checked = self._checked(choice)
+            for passed in gate.feed(delta, checked) if gate is not None and checked is not None else [delta]:
                 self._deltas.put(passed)
 
     async def _generate(self, inp: EngineInput) -> AsyncIterator[SeqOutput]:
@@ -198,25 +238,30 @@ class RequestHandle:
                     request_id=f"{self.request_id}:resample{attempt}:{index}",
                     sampling=resample_params(inp.sampling, index=index, attempt=attempt),
                 )
-                choice = Choice(index)
+                choice = self._new_choice(index)
                 async for out in self._generate(retry):
-                    choice.text += out.text
-                    choice.token_ids += out.token_ids
-                    choice.finish_reason = out.finish_reason
+                    choice.add(out, retry.grammar_trigger)
                 self._metrics.answer_resamples += 1
                 self._num_resamples += 1
-                failed = gate.verify(choice.text) if choice.finish_reason == "stop" else None
+                checked = self._checked(choice)
+                failed = gate.verify(checked) if choice.finish_reason == "stop" and checked is not None else None
                 if failed is None:
                     self._choices[index] = choice
-                    self._deltas.put(Delta(index, choice.text, choice.token_ids, choice.finish_reason))
+                    is_call = choice.call_text is not None
+                    text = choice.call_text if choice.call_text is not None else choice.text
+                    delta = Delta(index, text, choice.token_ids, choice.finish_reason, choice.logprobs, is_call)
+                    self._deltas.put(delta)
                     break
                 error = failed
             else:
                 error.message += f" (first answer and {self._resample_attempts} resamples)"
                 raise error
 
-    def cancel(self) -> None:
-        """End the request; what it holds in the stages and the engine is released."""
+    def cancel(self, error: PipelineError | None = None) -> None:
+        """End the request; what it holds in the stages and the engine is released. It ends with
+        ``error`` when given (a shutdown says so), else with ``RequestCancelled``."""
+        if error is not None and self._error is None and not self.is_done:
+            self._error = error.bind(request_id=self.request_id)
         self._scope.cancel()
 
     def __aiter__(self) -> AsyncIterator[Delta]:

@@ -1,36 +1,58 @@
-"""Per-stage counters and latency histograms, rendered as Prometheus text."""
+"""What the pipeline counts: plain counters and histograms, updated on the event loop.
+
+Updating them costs an integer add (no lock: only the loop writes them); ``pipeline.metrics_export``
+reads them when ``/metrics`` is scraped and writes the Prometheus text through prometheus-client,
+one ``CollectorRegistry`` per ``Metrics`` (tests run many pipelines in one process).
+
+Requests and preparation jobs are counted apart: a request (``requests``) ends once, completed,
+failed, cancelled, or refused at admission; its preparation job (``jobs``) ends when it leaves the
+stages, and a request cancelled while joining its grammar leaves a completed job behind.
+"""
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["Histogram", "Metrics", "StageMetrics"]
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+__all__ = ["CacheStatsSource", "Histogram", "Metrics", "StageMetrics"]
+
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+#: A cache's counters by name (``hits``, ``misses``, and where known ``evictions``, ``bytes``,
+#: ``entries``), read at scrape time; see ``Metrics.register_cache``.
+CacheStatsSource = Callable[[], Mapping[str, float]]
 
 
 @dataclass
 class Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
+    buckets: tuple[float, ...] = STAGE_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket, then one over the last bound
     total: float = 0.0
     num: int = 0
 
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
     def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(_BUCKETS, seconds)] += 1
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
         self.total += seconds
         self.num += 1
 
-    def render(self, name: str, labels: str) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, count in zip((*_BUCKETS, float("inf")), self.counts, strict=True):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
-        lines += [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.num}"]
-        return lines
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: (upper bound, observations at or under it), ending with ``+Inf``."""
+        out, running = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
 
 
 @dataclass
@@ -46,53 +68,49 @@ class StageMetrics:
 @dataclass
 class Metrics:
     stages: dict[str, StageMetrics] = field(default_factory=dict)
-    outcomes: Counter[str] = field(default_factory=Counter)  # completed / failed / cancelled / refused
+    requests: Counter[str] = field(default_factory=Counter)  # completed / failed / cancelled / refused
+    jobs: Counter[str] = field(default_factory=Counter)  # preparation: completed / failed / cancelled
     tokens_generated: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # submit to first token
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))  # per token after the first
     # structured answers checked: (backend, "passed" | "failed", reason) -> count
     answer_checks: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     answer_resamples: int = 0
-    grammar_cache_hits: Callable[[], int] = lambda: 0
-    grammar_cache_misses: Callable[[], int] = lambda: 0
     grammar_compiles: Callable[[], Counter[str]] = Counter  # "backend: reason" -> compiles
+    grammar: Callable[[], Mapping[str, float]] = dict  # errors, timeouts, compiling, compile_seconds
+    # gauges read at scrape time, set by the Pipeline
+    pending: Callable[[], int] = lambda: 0  # admitted, in the stages
+    running: Callable[[], int] = lambda: 0  # handles not yet done
+    engine: Callable[[], Mapping[str, int]] = dict  # AsyncEngine.stats()
+    caches: dict[str, CacheStatsSource] = field(default_factory=dict)
+    _registry: CollectorRegistry | None = field(default=None, repr=False)
 
     def stage(self, name: str) -> StageMetrics:
         return self.stages.setdefault(name, StageMetrics(name))
 
+    def register_cache(self, name: str, stats: CacheStatsSource) -> None:
+        """Export a cache's counters as ``pipeline_cache_*{cache=name}`` (encoder outputs, KV prefix
+        blocks, ...): ``stats()`` returns ``hits`` and ``misses``, and where known ``evictions``,
+        ``bytes`` and ``entries``."""
+        self.caches[name] = stats
+
+    def observe_decode(self, first_token_s: float, decode_s: float, num_tokens: int) -> None:
+        """One finished request: time to its first token, and per output token after it."""
+        self.ttft.observe(first_token_s)
+        if num_tokens > 1:
+            self.tpot.observe(decode_s / (num_tokens - 1))
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """This pipeline's own Prometheus registry (built on first use)."""
+        if self._registry is None:
+            from pipeline.metrics_export import build_registry
+
+            self._registry = build_registry(self)
+        return self._registry
+
     def render_prometheus(self) -> str:
-        out = [
-            "# TYPE pipeline_stage_queue_depth gauge",
-            *(f'pipeline_stage_queue_depth{{stage="{s.name}"}} {s.queue_depth()}' for s in self.stages.values()),
-            "# TYPE pipeline_stage_in_flight gauge",
-            *(f'pipeline_stage_in_flight{{stage="{s.name}"}} {s.in_flight}' for s in self.stages.values()),
-            "# TYPE pipeline_stage_completed_total counter",
-            *(f'pipeline_stage_completed_total{{stage="{s.name}"}} {s.completed}' for s in self.stages.values()),
-            "# TYPE pipeline_stage_errors_total counter",
-        ]
-        for s in self.stages.values():
-            out += [f'pipeline_stage_errors_total{{stage="{s.name}",type="{t}"}} {n}' for t, n in s.errors.items()]
-        out.append("# TYPE pipeline_stage_latency_seconds histogram")
-        for s in self.stages.values():
-            out += s.latency.render("pipeline_stage_latency_seconds", f'stage="{s.name}"')
-        out.append("# TYPE pipeline_requests_total counter")
-        out += [f'pipeline_requests_total{{outcome="{k}"}} {v}' for k, v in self.outcomes.items()]
-        out += [
-            "# TYPE pipeline_tokens_generated_total counter",
-            f"pipeline_tokens_generated_total {self.tokens_generated}",
-            "# TYPE pipeline_grammar_cache_hits_total counter",
-            f"pipeline_grammar_cache_hits_total {self.grammar_cache_hits()}",
-            "# TYPE pipeline_grammar_cache_misses_total counter",
-            f"pipeline_grammar_cache_misses_total {self.grammar_cache_misses()}",
-            "# TYPE pipeline_grammar_compiles_total counter",
-            *(
-                f'pipeline_grammar_compiles_total{{backend="{k.split(": ", 1)[0]}",reason="{k.split(": ", 1)[1]}"}} {n}'
-                for k, n in sorted(self.grammar_compiles().items())
-            ),
-            "# TYPE pipeline_answer_checks_total counter",
-            *(
-                f'pipeline_answer_checks_total{{backend="{b}",result="{r}",reason="{why}"}} {n}'
-                for (b, r, why), n in sorted(self.answer_checks.items())
-            ),
-            "# TYPE pipeline_answer_resamples_total counter",
-            f"pipeline_answer_resamples_total {self.answer_resamples}",
-        ]
-        return "\n".join(out) + "\n"
+        """The Prometheus text exposition of every metric."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()

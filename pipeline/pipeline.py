@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
@@ -11,6 +12,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from pipeline.completion_request import parse_completion_request
 from pipeline.config import PipelineConfig
 from pipeline.engine_factory import build_engine
 from pipeline.errors import Overloaded, ShuttingDown
@@ -73,6 +75,11 @@ class Pipeline:
         self.tracer = tracer
         self.with_engine = with_engine
         self.metrics = Metrics()
+        self.metrics.pending = lambda: self._pending
+        self.metrics.running = lambda: len(self._handles)
+        self.metrics.engine = self.decoding
+        for cache in ("encoder", "kv_prefix"):  # read at scrape time; absent while off
+            self.metrics.register_cache(cache, functools.partial(self._cache_counters, cache))
         self.state = PipelineState.NEW
         self._checkpoint: Checkpoint | None = None
         self._encoder: VisionEncoder | None = None
@@ -108,9 +115,19 @@ class Pipeline:
             raise RuntimeError("the pipeline is not started, or was built with_engine=False")
         return self._engine
 
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (logit_bias, prompt ids): the tokenizer's."""
+        return len(self.checkpoint.tokenizer)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may carry; the first is the one responses report."""
+        return self.config.served_model_names or (self.checkpoint.model_name,)
+
     @property
     def model_name(self) -> str:
-        return self.checkpoint.model_name
+        return self.model_names[0]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -159,20 +176,34 @@ class Pipeline:
 
     # -- admission ----------------------------------------------------------------------------
     def parse(self, body: Any) -> ChatRequest:
-        """:raises InvalidRequest: naming the offending field."""
+        """:raises InvalidRequest: naming the offending field. :raises ModelNotFound: a model not served."""
         cfg = self.config
         return parse_chat_request(
             body,
             max_images=cfg.max_images_per_request,
             default_max_tokens=cfg.default_max_tokens,
             max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            model_names=self.model_names,
+        )
+
+    def parse_completions(self, body: Any) -> list[ChatRequest]:
+        """A completions body, one request per prompt. :raises InvalidRequest: naming the offending field.
+        :raises ModelNotFound: a model not served."""
+        cfg = self.config
+        return parse_completion_request(
+            body,
+            default_max_tokens=cfg.default_max_tokens,
+            max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            model_names=self.model_names,
         )
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING:
             raise ShuttingDown("the pipeline is not accepting requests", retry_after=self.config.retry_after_s)
         if self._pending >= self.config.max_pending_requests:
-            self.metrics.outcomes["refused"] += 1
+            self.metrics.requests["refused"] += 1
             raise Overloaded(
                 f"{self._pending} requests in preparation; the limit is {self.config.max_pending_requests}",
                 retry_after=self.config.retry_after_s,
@@ -183,7 +214,7 @@ class Pipeline:
         try:
             self.preparation.admit(job)
         except anyio.WouldBlock:
-            self.metrics.outcomes["refused"] += 1
+            self.metrics.requests["refused"] += 1
             raise Overloaded(
                 "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
             ) from None
@@ -195,7 +226,7 @@ class Pipeline:
     def _job_left(self, job: Job[PreparedRequest]) -> None:
         self.preparation.release(job)
         self._pending -= 1
-        self.metrics.outcomes[job.outcome.state.value] += 1
+        self.metrics.jobs[job.outcome.state.value] += 1
         if self._pending == 0:
             self._idle.set()
             self._idle = anyio.Event()
@@ -257,14 +288,33 @@ class Pipeline:
             self.state = PipelineState.DRAINING
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running."""
+        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running
+        (they end with a 503 ``ShuttingDown`` that says so)."""
         with anyio.move_on_after(timeout_s):
             while self._handles:
                 await next(iter(self._handles)).wait_done()
             return True
         for handle in list(self._handles):
-            handle.cancel()
+            handle.cancel(
+                ShuttingDown(
+                    f"the server shut down before this request finished (it waited {timeout_s:g} s)",
+                    retry_after=self.config.retry_after_s,
+                )
+            )
         return False
+
+    def _cache_counters(self, cache: str) -> dict[str, float]:
+        stats = self.cache_stats().get(cache) if self._preparation is not None else None
+        if stats is None:
+            return {}
+        return {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "evictions": stats.evictions,
+            "bytes": stats.bytes_held,
+            "bytes_bound": stats.bytes_bound,
+            "entries": stats.entries,
+        }
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Hits, misses, evictions and bytes held of the encoder cache and the KV prefix cache (a
@@ -287,9 +337,13 @@ class Pipeline:
             )
         return out
 
+    def decoding(self) -> dict[str, int]:
+        """The decode engine now: sequences running and waiting, KV blocks, preemptions so far."""
+        return self._engine.stats() if self._engine is not None else {}
+
     def health(self) -> dict[str, Any]:
         status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"
-        return {"status": status, "pending": self._pending}
+        return {"status": status, "pending": self._pending, "decoding": self.decoding()}
 
     def resources(self) -> Resources:
         """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""

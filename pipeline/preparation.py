@@ -16,7 +16,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineError
+from pipeline.engine_factory import check_fits
+from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.image_steps import ImageSteps, RequestImages
 from pipeline.metrics import Metrics
 from pipeline.request import ChatRequest
@@ -74,6 +75,7 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         max_concurrent=config.grammar_max_concurrent_compiles,
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
+        abandon_on_shutdown=config.grammar_abandon_on_shutdown,
     )
 
 
@@ -147,9 +149,9 @@ class Preparation:
         )
         self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer)
         self.grammar = grammar
-        metrics.grammar_cache_hits = lambda: self.grammar.stats.hits
-        metrics.grammar_cache_misses = lambda: self.grammar.stats.misses
         metrics.grammar_compiles = lambda: self.grammar.stats.backends
+        metrics.grammar = self.grammar.counters
+        metrics.register_cache("grammar", self.grammar.cache_counters)
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
 
@@ -208,16 +210,18 @@ class Preparation:
             ("template", self._template_step, cfg.template_threads * 2),
             ("vision", self._vision_step, cfg.vision_max_batch * 2),
         ]
+        # admission's bound is max_pending_requests (config.py): the first inbox must not refuse sooner
+        first_queue = max(cfg.stage_queue_size, cfg.max_pending_requests)
         stages = [
             StageWorkers(
                 name,
                 step,
                 num_workers=n,
-                queue_size=cfg.stage_queue_size,
+                queue_size=first_queue if i == 0 else cfg.stage_queue_size,
                 metrics=self.metrics.stage(name),
                 tracer=self.tracer,
             )
-            for name, step, n in steps
+            for i, (name, step, n) in enumerate(steps)
         ]
         for before, after in zip(stages, stages[1:], strict=False):
             before.next = after
@@ -234,7 +238,20 @@ class Preparation:
 
     async def _template_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        prep.prompt_ids = await self.template.run(prep.request.messages, prep.images.images)
+        request = prep.request
+        plan = request.tools
+        marker = self.template.tool_call_token
+        if plan is not None and not plan.starts_with_call and marker is None:
+            raise InvalidRequest(
+                "this model's tokenizer has no tool-call marker: use tool_choice 'required' or a named function",
+                field="tool_choice",
+            )
+        tools = plan.tools if plan is not None else ()
+        prep.prompt_ids = await self.template.run(request.messages, prep.images.images, tools, request.prompt)
+        if plan is not None and plan.starts_with_call and marker is not None:
+            prep.prompt_ids.append(marker)  # the assistant's turn opens with its calls
+        sampling, where = request.sampling, "messages" if request.prompt is None else "prompt"
+        check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens, where)
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
         await self.images.vision_step(job.payload.images)
@@ -266,6 +283,11 @@ class Preparation:
             if prep.grammar.error is not None:
                 job.fail(prep.grammar.error)  # type: ignore[arg-type]
 
+    def _grammar_trigger(self, request: ChatRequest) -> int | None:
+        """``auto`` tool calls: the grammar holds from the marker on."""
+        plan = request.tools
+        return self.template.tool_call_token if plan is not None and not plan.starts_with_call else None
+
     async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
         """What ``prepared`` gives, for the engine alone."""
         return (await self.prepared(job)).inp
@@ -294,6 +316,7 @@ class Preparation:
             image_embeds=prep.images.embeds,
             sampling=request.sampling,
             grammar=constraint.grammar if constraint is not None else None,
+            grammar_trigger=self._grammar_trigger(request),
             timings=dict(job.timings),
             image_keys=prep.images.keys,
         )

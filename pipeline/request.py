@@ -1,18 +1,25 @@
-"""Admission parsing: an OpenAI chat-completions body into a typed ChatRequest.
+"""Admission: a chat-completions body, decoded into ``pipeline.protocol`` types, as a ChatRequest.
 
-Every error names the offending field (``messages[1].content[0].image_url.url``), so a client
-knows what to fix; nothing here does I/O or heavy CPU work, so it runs on the event loop.
+The declared types check shapes, types and fixed bounds (``pipeline.wire`` names the field of any
+failure); what is left here is what depends on the configuration (``max_tokens`` against
+``max_model_len``, images per request) or on several fields at once, and the fields declared but
+not honoured yet. Every error names the offending field (``messages[1].content[0].image_url.url``),
+so a client knows what to fix. Runs on the event loop, or in a worker thread for large bodies.
 """
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.constraints import check_unknown_fields, parse_constraint
-from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, TextPart
+import msgspec
+
+from pipeline.constraints import CONSTRAINT_FIELDS, parse_constraint
+from pipeline.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageContent, ImageURL
+from pipeline.tools import ToolPlan, plan_tools, template_call_id
+from pipeline.types import GrammarSpec, ImagePart, InvalidRequest, Message, ModelNotFound, TextPart
+from pipeline.wire import decode_body
 from sampling.params import SamplingParams
 
 __all__ = [
@@ -22,12 +29,11 @@ __all__ = [
     "Message",
     "SamplingParams",
     "TextPart",
+    "check_model",
     "parse_chat_request",
+    "request_grammar",
+    "sampling_params",
 ]
-
-_ROLES = ("system", "user", "assistant")
-_MAX_STOP_STRINGS = 8
-_MAX_N = 16
 
 
 @dataclass(slots=True)
@@ -35,6 +41,8 @@ class ChatRequest:
     messages: tuple[Message, ...]
     sampling: SamplingParams
     grammar: GrammarSpec | None = None
+    tools: ToolPlan | None = None  # the answer may (auto) or must call these tools
+    prompt: str | list[int] | None = None  # a completions request: the raw prompt, no chat template
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -49,73 +57,51 @@ def _fail(message: str, field_name: str) -> InvalidRequest:
     return InvalidRequest(message, field=field_name, stage="admission")
 
 
-def _get_number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _fail(f"'{name}' must be a number", name)
-    if not lo <= value <= hi:
-        raise _fail(f"'{name}' must be between {lo} and {hi}, got {value}", name)
-    return float(value)
+_MIN_TEMPERATURE = 1e-5
+_MIN_TOP_P = 1e-6
 
 
-def _get_int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(f"'{name}' must be an integer", name)
-    if not lo <= value <= hi:
-        raise _fail(f"'{name}' must be between {lo} and {hi}, got {value}", name)
-    return value
+def _tool_fields(message: ChatMessage, where: str) -> tuple[tuple[tuple[str, str, str], ...], str | None]:
+    """An assistant's earlier calls and a tool message's call id, with ids as the template takes them."""
+    if message.tool_calls is not None and message.role != "assistant":
+        raise _fail("only assistant messages carry tool_calls", f"{where}.tool_calls")
+    if (message.role == "tool") != (message.tool_call_id is not None):
+        raise _fail("a tool message, and only a tool message, needs 'tool_call_id'", f"{where}.tool_call_id")
+    calls = tuple(
+        (template_call_id(call.id), call.function.name, call.function.arguments) for call in message.tool_calls or ()
+    )
+    call_id = template_call_id(message.tool_call_id) if message.tool_call_id is not None else None
+    return calls, call_id
 
 
-def _parse_parts(content: Any, where: str, images: list[ImagePart]) -> tuple[TextPart | ImagePart, ...]:
+def _message(message: ChatMessage, where: str, images: list[ImagePart]) -> Message:
+    if message.name is not None:
+        raise _fail("'name' is not supported by this server", f"{where}.name")
+    calls, call_id = _tool_fields(message, where)
+    content = message.content
+    if content is None and calls:
+        return Message(role=message.role, parts=(), tool_calls=calls)
+    if content is None:
+        raise _fail("content must be a string or a non-empty list of parts", f"{where}.content")
     if isinstance(content, str):
-        return (TextPart(content),)
-    if not isinstance(content, list) or not content:
-        raise _fail("content must be a string or a non-empty list of parts", where)
+        return Message(role=message.role, parts=(TextPart(content),), tool_calls=calls, tool_call_id=call_id)
     parts: list[TextPart | ImagePart] = []
     for j, part in enumerate(content):
-        pf = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise _fail("a content part must be an object", pf)
-        kind = part.get("type")
-        if kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _fail("a text part needs a string 'text'", f"{pf}.text")
-            parts.append(TextPart(text))
-        elif kind == "image_url":
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, dict) else image_url
-            if not isinstance(url, str) or not url:
-                raise _fail("an image_url part needs a string 'url'", f"{pf}.image_url.url")
-            image = ImagePart(url=url, field=f"{pf}.image_url.url", index=len(images))
+        if isinstance(part, ImageContent):
+            url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+            image = ImagePart(url=url, field=f"{where}.content[{j}].image_url.url", index=len(images))
             images.append(image)
             parts.append(image)
         else:
-            raise _fail(f"unknown content part type {kind!r} (expected 'text' or 'image_url')", f"{pf}.type")
-    return tuple(parts)
+            parts.append(TextPart(part.text))
+    if message.role != "user" and any(isinstance(p, ImagePart) for p in parts):
+        raise _fail("only user messages may carry images", f"{where}.content")
+    return Message(role=message.role, parts=tuple(parts), tool_calls=calls, tool_call_id=call_id)
 
 
-def _parse_messages(raw: Any, max_images: int) -> tuple[Message, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise _fail("'messages' must be a non-empty list", "messages")
+def _messages(raw: list[ChatMessage], max_images: int) -> tuple[Message, ...]:
     images: list[ImagePart] = []
-    messages = []
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _fail("a message must be an object", where)
-        role = message.get("role")
-        if role not in _ROLES:
-            raise _fail(f"role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
-        parts = _parse_parts(message.get("content"), f"{where}.content", images)
-        if role != "user" and any(isinstance(p, ImagePart) for p in parts):
-            raise _fail("only user messages may carry images", f"{where}.content")
-        messages.append(Message(role=role, parts=parts))
+    messages = [_message(m, f"messages[{i}]", images) for i, m in enumerate(raw)]
     if len(images) > max_images:
         raise _fail(f"{len(images)} images in one request; at most {max_images} are allowed", "messages")
     if messages[-1].role == "assistant":
@@ -123,71 +109,109 @@ def _parse_messages(raw: Any, max_images: int) -> tuple[Message, ...]:
     return tuple(messages)
 
 
-def _parse_stop(raw: Any) -> tuple[str, ...]:
-    if raw is None:
-        return ()
-    stops = [raw] if isinstance(raw, str) else raw
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise _fail("'stop' must be a non-empty string or a list of them", "stop")
-    if len(stops) > _MAX_STOP_STRINGS:
-        raise _fail(f"at most {_MAX_STOP_STRINGS} stop strings", "stop")
-    return tuple(stops)
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    bias = []
+    for key, value in (raw or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise _fail(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", f"logit_bias.{key}")
+        bias.append((token, value))
+    return tuple(bias)
 
 
-def _parse_sampling(body: dict[str, Any], default_max_tokens: int, max_model_len: int) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens")
-    name = "max_completion_tokens"
+def sampling_params(
+    body: ChatCompletionRequest | CompletionRequest,
+    default_max_tokens: int,
+    max_model_len: int,
+    *,
+    logprobs: int | None = None,
+    vocab_size: int = 1 << 31,
+) -> SamplingParams:
+    """The sampling fields both endpoints share; ``logprobs``: top log probabilities per token (None: off)."""
+    name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
-        name = "max_tokens"
-    max_tokens = _get_int(body, name, default_max_tokens, 1, max_model_len)
-    assert max_tokens is not None
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _fail("'ignore_eos' must be a boolean", "ignore_eos")
+        name, max_tokens = "max_tokens", body.max_tokens
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_model_len)
+    elif max_tokens > max_model_len:
+        raise _fail(f"'{name}' must be at most max_model_len ({max_model_len}), got {max_tokens}", name)
+    stop = body.stop
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_get_number(body, "top_p", 1.0, 1e-6, 1.0),
-        top_k=_get_int(body, "top_k", 0, 0, 1 << 20) or 0,
-        seed=_get_int(body, "seed", None, -(1 << 63), (1 << 63) - 1),
-        n=_get_int(body, "n", 1, 1, _MAX_N) or 1,
-        stop=_parse_stop(body.get("stop")),
-        ignore_eos=ignore_eos,
+        # The sampler works in fp32: logits / 4e-85 divides by zero (found by the fuzzer: NaN
+        # probabilities sampled token 0 past the grammar's mask), and a top_p of 1e-300 rounds to 0
+        # and filters every token out. Below these bounds the answer is the greedy one anyway.
+        temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
+        top_p=max(top_p, _MIN_TOP_P),
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        n=body.n or 1,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
     )
 
 
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs and not body.logprobs:
+        raise _fail("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def request_grammar(body: ChatCompletionRequest | CompletionRequest, raw: Any) -> GrammarSpec | None:
+    """The one structured-output constraint of ``body`` (``raw``: the body as sent, for field order)."""
+    given = {name: value for name in CONSTRAINT_FIELDS if (value := getattr(body, name)) is not None}
+    if len(given) > 1:
+        # two constraints are refused naming the second in body order, which only the raw body keeps
+        given = raw if isinstance(raw, dict) else msgspec.json.decode(raw)
+    return parse_constraint(given)
+
+
+def check_model(model: str | None, model_names: tuple[str, ...] | None) -> None:
+    """:raises ModelNotFound: (404) ``model`` is set and not among ``model_names`` (None: any)."""
+    if model_names is not None and model is not None and model not in model_names:
+        raise ModelNotFound(
+            f"The model '{model}' does not exist; this server serves {', '.join(model_names)}",
+            field="model",
+            stage="admission",
+        )
+
+
 def parse_chat_request(
-    body: Any,
+    body: bytes | Any,
     *,
     max_images: int = 8,
     default_max_tokens: int = 256,
     max_model_len: int = 8192,
+    vocab_size: int = 1 << 31,
+    model_names: tuple[str, ...] | None = None,
     request_id: str | None = None,
 ) -> ChatRequest:
-    """Validate an OpenAI chat-completions body.
+    """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
+    the names ``model`` may carry (None: any).
 
-    :raises InvalidRequest: naming the first offending field.
+    :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
-    if not isinstance(body, dict):
-        raise _fail("the request body must be a JSON object", "body")
-    check_unknown_fields(body)  # a field we would drop could be a constraint the caller relies on
-    grammar = parse_constraint(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _fail("'stream' must be a boolean", "stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise _fail("'stream_options' must be an object", "stream_options")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _fail("'model' must be a string", "model")
+    typed = decode_body(body, ChatCompletionRequest)
+    check_model(typed.model, model_names)
+    grammar = request_grammar(typed, body)
+    tools = plan_tools(typed, grammar is not None)
+    sampling = sampling_params(
+        typed, default_max_tokens, max_model_len, logprobs=_chat_logprobs(typed), vocab_size=vocab_size
+    )
     request = ChatRequest(
-        messages=_parse_messages(body.get("messages"), max_images),
-        sampling=_parse_sampling(body, default_max_tokens, max_model_len),
-        grammar=grammar,
-        stream=stream,
-        include_usage=bool(stream_options.get("include_usage", False)),
-        model=model,
+        messages=_messages(typed.messages, max_images),
+        sampling=sampling,
+        grammar=tools.grammar if tools is not None else grammar,
+        tools=tools,
+        stream=bool(typed.stream),
+        include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
+        model=typed.model,
     )
     if request_id is not None:
         request.request_id = request_id

@@ -11,11 +11,15 @@ it)::
     PipelineError (500)
     ├── InvalidRequest (400)            bad input; ``field`` names the offending field
     │   ├── ImageFetchError (400)       URL refused, unreachable, wrong content type
-    │   ├── ImageDecodeError (400)      bytes that are not a supported image
+    │   ├── ImageDecodeError (400)      bytes that are not a supported image, or one the model cannot take
     │   ├── GrammarError (400)          schema/regex/grammar that cannot be compiled
     │   │   └── UnsupportedSchemaError (400)   keywords no backend nor the answer check can hold
-    │   └── PromptTooLong (400)
-    ├── PayloadTooLarge (413)           image bytes or pixels over the configured cap
+    │   ├── PromptTooLong (400)         over max_model_len, or more KV cache than the whole cache holds
+    │   ├── ModelNotFound (404)         a ``model`` this server does not serve
+    │   ├── RouteNotFound (404)         no such path
+    │   └── MethodNotAllowed (405)
+    ├── AuthenticationFailed (401)      no API key, or the wrong one
+    ├── PayloadTooLarge (413)           a body, image bytes or pixels over the configured cap
     ├── Overloaded (429)                pipeline full; ``retry_after`` seconds
     │   └── ShuttingDown (503)
     ├── DeadlineExceeded (504)          a configured deadline passed (fetch, grammar compile)
@@ -23,6 +27,9 @@ it)::
     ├── EngineError (500)               the decode engine failed this sequence
     └── InvalidAnswer (422)             no attempt's answer passed the whole constraint; ``path``
                                         points into the last answer where it broke
+
+``to_dict()`` is OpenAI's error object; its ``code`` is a string, as OpenAI's is (the class's
+``code``: ``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``, ...).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any, Generic, Literal, TypeVar
 import anyio
 
 __all__ = [
+    "AuthenticationFailed",
     "DeadlineExceeded",
     "EngineError",
     "GrammarError",
@@ -49,6 +57,8 @@ __all__ = [
     "InvalidRequest",
     "Mailbox",
     "Message",
+    "MethodNotAllowed",
+    "ModelNotFound",
     "Outcome",
     "OutcomeState",
     "Overloaded",
@@ -56,6 +66,7 @@ __all__ = [
     "PipelineError",
     "PromptTooLong",
     "RequestCancelled",
+    "RouteNotFound",
     "ShuttingDown",
     "TextPart",
     "UnsupportedSchemaError",
@@ -71,6 +82,7 @@ class PipelineError(Exception):
 
     status: int = 500
     error_type: str = "internal_error"
+    code: str = "internal_error"
 
     def __init__(
         self,
@@ -100,7 +112,7 @@ class PipelineError(Exception):
             "message": self.message,
             "type": self.error_type,
             "param": self.field,
-            "code": self.status,
+            "code": self.code,
             "stage": self.stage,
             "request_id": self.request_id,
         }
@@ -113,38 +125,64 @@ class PipelineError(Exception):
 class InvalidRequest(PipelineError):
     status = 400
     error_type = "invalid_request_error"
+    code = "invalid_request"
 
 
 class ImageFetchError(InvalidRequest):
-    pass
+    code = "image_fetch_failed"
 
 
 class ImageDecodeError(InvalidRequest):
-    pass
+    code = "invalid_image"
 
 
 class GrammarError(InvalidRequest):
-    pass
+    code = "invalid_constraint"
 
 
 class UnsupportedSchemaError(GrammarError):
+    code = "unsupported_schema"
+
     def __init__(self, message: str, *, keywords: list[str] | None = None, **kwargs: str | None) -> None:
         super().__init__(message, **kwargs)
         self.keywords = keywords or []
 
 
 class PromptTooLong(InvalidRequest):
-    pass
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(InvalidRequest):
+    status = 404
+    code = "model_not_found"
+
+
+class RouteNotFound(InvalidRequest):
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(InvalidRequest):
+    status = 405
+    code = "method_not_allowed"
+
+
+class AuthenticationFailed(PipelineError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class PayloadTooLarge(PipelineError):
     status = 413
     error_type = "payload_too_large"
+    code = "payload_too_large"
 
 
 class Overloaded(PipelineError):
     status = 429
     error_type = "overloaded"
+    code = "overloaded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs: str | None) -> None:
         super().__init__(message, **kwargs)
@@ -154,21 +192,25 @@ class Overloaded(PipelineError):
 class ShuttingDown(Overloaded):
     status = 503
     error_type = "shutting_down"
+    code = "shutting_down"
 
 
 class DeadlineExceeded(PipelineError):
     status = 504
     error_type = "deadline_exceeded"
+    code = "deadline_exceeded"
 
 
 class RequestCancelled(PipelineError):
     status = 499
     error_type = "cancelled"
+    code = "cancelled"
 
 
 class EngineError(PipelineError):
     status = 500
     error_type = "engine_error"
+    code = "engine_error"
 
 
 class InvalidAnswer(PipelineError):
@@ -176,6 +218,7 @@ class InvalidAnswer(PipelineError):
 
     status = 422
     error_type = "invalid_answer"
+    code = "invalid_answer"
 
     def __init__(self, message: str, *, path: str = "", reason: str = "", **kwargs: str | None) -> None:
         super().__init__(message, **kwargs)
@@ -203,6 +246,9 @@ class ImagePart:
 class Message:
     role: str
     parts: tuple[TextPart | ImagePart, ...]
+    # an assistant's earlier calls: (id, function name, arguments JSON text), ids as the template takes them
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sampling.inputs import SeqOutput
+from sampling.logits_process import StepLogprobs
 from sampling.overlap import DeviceQueue
 from sampling.scheduler import DecodeStep, PrefillStep
 from sampling.sequence import SeqState, Sequence
@@ -61,7 +62,8 @@ if TYPE_CHECKING:
 
 __all__ = ["OneStepAhead"]
 
-Sampled = tuple[Callable[[], list[int]], set[int]]  # wait for the ids on the host; rows accepted already
+# wait for the ids on the host; rows accepted already; the rows' log probabilities (on the device)
+Sampled = tuple[Callable[[], list[int]], set[int], StepLogprobs | None]
 
 
 @dataclass(slots=True, eq=False)
@@ -194,9 +196,9 @@ class OneStepAhead:
         step.timing.idle += self.device.idle_before()
         logits = step.logits.result()  # done: the forward ran before this job, on this thread
         step.logits = None  # [B, vocab]: not kept alive beside the next step's
-        ids, accepted = self.engine._sample(step.seqs, matchers, logits, filled, step.timing)
+        ids, accepted, logprobs = self.engine._sample(step.seqs, matchers, logits, filled, step.timing)
         step.ids = ids
-        return self.engine.copier.start(ids), accepted
+        return self.engine.copier.start(ids), accepted, logprobs
 
     def _collect(self, step: _InFlight) -> list[SeqOutput]:
         """Wait for ``step``'s tokens and commit those of its sequences still running."""
@@ -206,8 +208,9 @@ class OneStepAhead:
             if step.error is not None:
                 raise step.error
             assert step.sampled is not None
-            wait, accepted = step.sampled.result()
+            wait, accepted, step_logprobs = step.sampled.result()
             tokens = wait()
+            logprobs = step_logprobs.to_host([s.params for s in step.seqs], tokens) if step_logprobs else {}
         except Exception as exc:
             return engine._fail_step(step.seqs, exc)
         finally:
@@ -223,6 +226,7 @@ class OneStepAhead:
             [tokens[row] for row in live],
             {i for i, row in enumerate(live) if row in accepted},
             timing,
+            {i: logprobs[row] for i, row in enumerate(live) if row in logprobs},
         )
         ended = time.perf_counter()
         timing.commit = ended - committed

@@ -143,6 +143,18 @@ class AsyncEngine:
             "kv_blocks_used": allocator.num_blocks - allocator.num_free,
         }
 
+    def stats(self) -> dict[str, int]:
+        """Decoding now, for /health and /metrics (read from another thread: a snapshot)."""
+        scheduler = self.engine.scheduler
+        allocator = scheduler.allocator
+        return {
+            "running_seqs": len(scheduler.running),
+            "waiting_seqs": len(scheduler.waiting),
+            "kv_blocks_used": allocator.num_blocks - allocator.num_free,
+            "kv_blocks_total": allocator.num_blocks,
+            "preemptions": scheduler.num_preemptions,
+        }
+
     # -- on the engine thread ----------------------------------------------------------------
     def _drain_aborts(self) -> None:
         with self._aborts_lock:

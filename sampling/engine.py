@@ -32,6 +32,7 @@ from sampling.detokenizer import Detokenizer, TokenBytes
 from sampling.guided import GuidedDecoder, new_matcher
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import BlockAllocator
+from sampling.logits_process import StepLogprobs, TokenLogprob, adjust
 from sampling.model_runner import ModelRunner
 from sampling.overlap import HostCopier
 from sampling.sampler import greedy_ids, sample
@@ -111,6 +112,8 @@ class LLMEngine:
             stop=StopChecker(inp.sampling.stop),
             num_siblings=num_siblings,
             image_keys=list(inp.image_keys),
+            grammar_trigger=inp.grammar_trigger,
+            grammar_start=0 if inp.grammar_trigger is None else None,
         )
 
     def add(self, inp: EngineInput) -> None:
@@ -156,11 +159,12 @@ class LLMEngine:
             outputs: list[SeqOutput] = []
             if seqs:
                 assert logits is not None
-                ids, accepted = self._sample(seqs, [s.matcher for s in seqs], logits, filled, timing)
+                ids, accepted, step_logprobs = self._sample(seqs, [s.matcher for s in seqs], logits, filled, timing)
                 copied = time.perf_counter()
                 tokens = self.copier.start(ids)()
                 timing.copy = time.perf_counter() - copied
-                outputs = self._commit(seqs, tokens, accepted, timing)
+                logprobs = step_logprobs.to_host([s.params for s in seqs], tokens) if step_logprobs else {}
+                outputs = self._commit(seqs, tokens, accepted, timing, logprobs)
         except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
             failed = [scheduled.seq] if isinstance(scheduled, PrefillStep) else scheduled.seqs
             return self._fail_step(failed, exc)
@@ -200,8 +204,11 @@ class LLMEngine:
         return [out for seq in unfit for out in self._fail(seq, message)]
 
     def _ensure_matcher(self, seq: Sequence) -> None:
-        if seq.grammar is not None and seq.matcher is None and seq.state is not SeqState.FINISHED:
-            seq.matcher = new_matcher(seq.grammar, seq.output_ids)
+        """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
+        (after a preemption); none before its trigger token."""
+        start = seq.grammar_start
+        if seq.grammar is not None and seq.matcher is None and start is not None and seq.state is not SeqState.FINISHED:
+            seq.matcher = new_matcher(seq.grammar, seq.output_ids[start:])
 
     def _launch(
         self, step: PrefillStep | DecodeStep, timing: StepTiming
@@ -263,7 +270,7 @@ class LLMEngine:
         started = time.perf_counter()
         for s in seqs:
             self._ensure_matcher(s)
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not (defer_greedy and s.params.is_greedy)]
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not (defer_greedy and _is_lazy(s))]
         if rows:
             self.guided.fill([seqs[i].matcher for i in rows], rows)
         timing.fill = time.perf_counter() - started
@@ -300,11 +307,15 @@ class LLMEngine:
         logits: torch.Tensor,
         filled: list[int],
         timing: StepTiming,
-    ) -> tuple[torch.Tensor, set[int]]:
-        """Mask and sample: the ids ``[B]`` on the device, and the rows whose matchers accepted theirs
-        already (the lazy greedy path). ``matchers`` are the rows' matchers when the step was filled
-        (None: unguided): one step ahead, an abort on the host may drop a sequence's meanwhile."""
+    ) -> tuple[torch.Tensor, set[int], StepLogprobs | None]:
+        """Adjust, mask and sample: the ids ``[B]`` on the device, the rows whose matchers accepted theirs
+        already (the lazy greedy path), and the log probabilities of the rows that ask for them.
+        ``matchers`` are the rows' matchers when the step was filled (None: unguided): one step ahead,
+        an abort on the host may drop a sequence's meanwhile."""
         t0 = time.perf_counter()
+        params = [s.params for s in seqs]
+        if any(p.logit_bias or p.has_penalties for p in params):
+            adjust(logits, params, [s.output_ids for s in seqs])
         no_eos = [row for row, s in enumerate(seqs) if s.params.ignore_eos and matchers[row] is None]
         if no_eos and self.eos_token_ids:
             no_eos_rows = torch.tensor(no_eos, device=logits.device)[:, None]
@@ -320,11 +331,14 @@ class LLMEngine:
             if greedy is not None and rows:
                 greedy[rows] = greedy_ids(logits[rows])
         t1 = time.perf_counter()
-        ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy=greedy)
+        logprobs = StepLogprobs.compute(logits, params)  # after the mask, before the temperature
+        ids = sample(logits, params, [s.generator for s in seqs], greedy=greedy)
+        if logprobs is not None:
+            logprobs.pick(ids)
         # the lazy path's accept and fill are timed as such, not as apply
         timing.apply = t1 - t0 - timing.accept - (timing.fill - fill_before)
         timing.sample = time.perf_counter() - t1
-        return ids, accepted
+        return ids, accepted, logprobs
 
     def _lazy_mask(
         self,
@@ -346,7 +360,7 @@ class LLMEngine:
         is_filled = set(filled)
         deferred = [r for r, m in enumerate(matchers) if m is not None and r not in is_filled]
         accepted: set[int] = set()
-        check = [r for r in filled if seqs[r].params.is_greedy and not self.guided.allows(r, top[r])]
+        check = [r for r in filled if _is_lazy(seqs[r]) and not self.guided.allows(r, top[r])]
         if deferred:
             t0 = time.perf_counter()
             ok = self.guided.try_accept([matchers[r] for r in deferred], [top[r] for r in deferred])
@@ -357,7 +371,7 @@ class LLMEngine:
                 self.guided.fill([matchers[r] for r in refused], refused)
                 check += refused
             timing.accept, timing.fill = t1 - t0, timing.fill + time.perf_counter() - t1
-        masked = [r for r in filled if not seqs[r].params.is_greedy]
+        masked = [r for r in filled if not _is_lazy(seqs[r])]
         for r in check:
             choice = self.guided.masked_argmax(logits, r)
             if choice is None:
@@ -367,7 +381,12 @@ class LLMEngine:
         return greedy, accepted, masked
 
     def _commit(
-        self, seqs: list[Sequence], tokens: list[int], accepted_rows: set[int], timing: StepTiming
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        accepted_rows: set[int],
+        timing: StepTiming,
+        logprobs: dict[int, TokenLogprob],
     ) -> list[SeqOutput]:
         """Accept the tokens into the matchers, detokenize, check stop conditions, finish sequences."""
         t0 = time.perf_counter()
@@ -385,12 +404,14 @@ class LLMEngine:
             if not accepted.get(row, True):
                 outputs += self._fail(seq, f"token {token} was rejected by the grammar")
                 continue
-            outputs.append(self._advance(seq, token))
+            outputs.append(self._advance(seq, token, logprobs.get(row)))
         return outputs
 
-    def _advance(self, seq: Sequence, token: int) -> SeqOutput:
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> SeqOutput:
         seq.output_ids.append(token)
         self.scheduler.cache_computed(seq)  # before a finish frees its blocks: they stay cached
+        if seq.grammar_start is None and token == seq.grammar_trigger:
+            seq.grammar_start = len(seq.output_ids)  # the next step's fill builds the matcher
         is_eos = token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
         stop = seq.stop
         text = "" if is_eos else stop.feed(seq.detokenizer.add(token))
@@ -402,7 +423,8 @@ class LLMEngine:
         if reason is not None:
             text += stop.flush(seq.detokenizer.flush())
             self._finish(seq, reason)
-        return SeqOutput(seq.request_id, seq.index, [token], text, reason, None, len(seq.prompt_ids))
+        logprobs = [logprob] if logprob is not None else None
+        return SeqOutput(seq.request_id, seq.index, [token], text, reason, None, len(seq.prompt_ids), logprobs)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.state = SeqState.FINISHED
@@ -422,3 +444,9 @@ class LLMEngine:
             SeqOutput(seq.request_id, index, [], "", "error", message, len(seq.prompt_ids))
             for index in [seq.index, *unborn]
         ]
+
+
+def _is_lazy(seq: Sequence) -> bool:
+    """Whether a guided row may skip its full mask when its argmax is allowed (greedy, and no
+    log probabilities, which need the whole masked distribution)."""
+    return seq.params.is_greedy and seq.params.logprobs is None

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from sampling.logits_process import TokenLogprob
 from sampling.params import SamplingParams
 
 __all__ = ["EngineInput", "ImageKey", "SeqOutput"]
@@ -28,6 +29,8 @@ class EngineInput:
     image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
     sampling: SamplingParams
     grammar: Any | None = None  # xgrammar.CompiledGrammar
+    # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
+    grammar_trigger: int | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage
     # the prompt's images by content, in order; empty: unknown, and KV blocks holding image tokens are
     # then never shared (sampling/prefix_cache.py)
@@ -53,3 +56,4 @@ class SeqOutput:
     finish_reason: str | None = None  # "stop", "length", "error" or None while running
     error: str | None = None
     num_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_TOP_LOGPROBS", "SamplingParams"]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +19,16 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no log probabilities; k >= 0: the sampled token's and the k most likely (k <= MAX_TOP_LOGPROBS)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of the token among those generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

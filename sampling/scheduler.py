@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._unfit: list[Sequence] = []  # found by this schedule() call; handed back with its result
         self._last_was_prefill = False
+        self.num_preemptions = 0  # since start, for metrics
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -104,6 +105,7 @@ class Scheduler:
         seq.matcher = None  # rebuilt by replaying output_ids when it runs again
         seq.state = SeqState.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _blocks_to_admit(self, seq: Sequence) -> int:

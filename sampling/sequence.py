@@ -35,6 +35,8 @@ class Sequence:
     generator: torch.Generator | None
     stop: StopChecker
     num_siblings: int = 1  # n: this sequence forks into n after its prefill
+    grammar_trigger: int | None = None  # the grammar starts after this token (see EngineInput)
+    grammar_start: int | None = 0  # index in output_ids where the grammar starts; None: not triggered yet
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache

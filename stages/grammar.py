@@ -80,6 +80,7 @@ class GrammarStage:
         max_concurrent: int = 2,
         xgrammar_budget_s: float = 0.5,
         backend: str = "auto",
+        abandon_on_shutdown: bool = False,
     ) -> None:
         if backend not in ("auto", "xgrammar", "llguidance"):
             raise ValueError(f"backend must be auto, xgrammar or llguidance, got {backend!r}")
@@ -98,6 +99,9 @@ class GrammarStage:
         self._cached_bytes = 0
         self._flights: dict[tuple[str, str], Outcome[CompiledConstraint]] = {}  # (backend, key) -> job
         self._tg: TaskGroup | None = None
+        # False: a shutdown waits for the compile threads (nothing keeps running after the stage);
+        # True: it leaves them running (a server that must exit within its shutdown timeout)
+        self.abandon_on_shutdown = abandon_on_shutdown
 
     def attach(self, tg: TaskGroup) -> None:
         """Run compile jobs in ``tg`` (the pipeline's); without one, the first caller runs the job shielded."""
@@ -127,6 +131,25 @@ class GrammarStage:
         if entry is not None:
             self._cached_bytes -= entry.nbytes if isinstance(entry, CompiledConstraint) else _ERROR_BYTES
 
+    def counters(self) -> dict[str, float]:
+        """Compile errors, timeouts, jobs in flight and seconds spent (for metrics)."""
+        stats = self.stats
+        return {
+            "errors": stats.errors,
+            "timeouts": stats.timeouts,
+            "compiling": self.num_compiling,
+            "compile_seconds": stats.compile_seconds,
+        }
+
+    def cache_counters(self) -> dict[str, float]:
+        """The cache's hits, misses, bytes and entries (for metrics)."""
+        return {
+            "hits": self.stats.hits,
+            "misses": self.stats.misses,
+            "bytes": self._cached_bytes,
+            "entries": len(self._cache),
+        }
+
     # -- compile jobs -----------------------------------------------------------------------------
     @property
     def num_compiling(self) -> int:
@@ -145,7 +168,12 @@ class GrammarStage:
         started = time.perf_counter()
         limiter = self.limiter if backend == "xgrammar" else self.fast_limiter
         try:
-            compiled = await anyio.to_thread.run_sync(self._compile_sync, backend, spec, limiter=limiter)
+            # Jobs are cancelled only when the pipeline shuts down (a waiter's cancellation never reaches
+            # them): then nobody waits for the result, and a compile cannot be interrupted (xgrammar's
+            # worst took 72 s here).
+            compiled = await anyio.to_thread.run_sync(
+                self._compile_sync, backend, spec, limiter=limiter, abandon_on_cancel=self.abandon_on_shutdown
+            )
             result: CompiledConstraint | PipelineError = CompiledConstraint(
                 spec.kind, backend, reason, compiled.grammar, compiled.check, compiled.nbytes
             )

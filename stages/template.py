@@ -6,6 +6,7 @@ thread under this stage's limiter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,17 +16,29 @@ from pipeline.types import ImagePart, InvalidRequest, Message, PromptTooLong
 from stages.offload import Offload
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
-__all__ = ["TemplateStage"]
+__all__ = ["TOOL_CALL_MARKER", "TemplateStage"]
+
+TOOL_CALL_MARKER = "[TOOL_CALLS]"  # the Mistral tokenizer's; a model without it has no auto tool calls
 
 
 def _to_hf_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for message in messages:
-        content = [
+        content: Any = [
             {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
             for part in message.parts
         ]
-        out.append({"role": message.role, "content": content})
+        if message.role == "tool":  # templates read a tool result as one string
+            content = "".join(part.text for part in message.parts if not isinstance(part, ImagePart))
+        hf: dict[str, Any] = {"role": message.role, "content": content or None}
+        if message.tool_calls:
+            hf["tool_calls"] = [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+                for call_id, name, arguments in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            hf["tool_call_id"] = message.tool_call_id
+        out.append(hf)
     return out
 
 
@@ -41,30 +54,63 @@ class TemplateStage:
         self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
 
-    def render(self, messages: tuple[Message, ...], images: Sequence[ImageGrid]) -> list[int]:
-        """Prompt token ids with every image expanded to its grid of image tokens (synchronous).
+    @functools.cached_property
+    def tool_call_token(self) -> int | None:
+        """The id of the tokenizer's tool-call marker token, None when it has none."""
+        token = self.tokenizer.convert_tokens_to_ids(TOOL_CALL_MARKER)
+        return None if token is None or token == self.tokenizer.unk_token_id else int(token)
+
+    def render(
+        self,
+        messages: tuple[Message, ...],
+        images: Sequence[ImageGrid],
+        tools: tuple[dict[str, Any], ...] = (),
+        prompt: str | list[int] | None = None,
+    ) -> list[int]:
+        """Prompt token ids with every image expanded to its grid of image tokens (synchronous);
+        ``tools`` go to the template, a raw ``prompt`` (text or ids) replaces the template.
 
         :raises InvalidRequest: if the template rejects the conversation or text mimics an image token.
         :raises PromptTooLong: if the prompt exceeds ``max_prompt_tokens``.
         """
-        try:
-            text = self.tokenizer.apply_chat_template(_to_hf_messages(messages), tokenize=False)
-        except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
-            raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        where = "messages" if prompt is None else "prompt"
+        if isinstance(prompt, list):
+            vocab = len(self.tokenizer)
+            if not all(0 <= t < vocab for t in prompt):
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="prompt")
+            ids = list(prompt)
+        elif prompt is not None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and ids[:1] != [bos]:  # as the chat template starts: some tokenizers add none
+                ids.insert(0, bos)
+        else:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    _to_hf_messages(messages), tools=list(tools) or None, tokenize=False
+                )
+            except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
+                raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
             ids = expand_image_tokens(ids, images, self.image_ids)
         except ValueError as exc:
             raise InvalidRequest(
                 f"image placeholders do not match the images ({exc}); text may not contain '[IMG]'",
-                field="messages",
+                field=where,
             ) from None
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(
-                f"the prompt is {len(ids)} tokens; at most {self.max_prompt_tokens} are allowed", field="messages"
+                f"the prompt is {len(ids)} tokens; at most {self.max_prompt_tokens} are allowed", field=where
             )
         return ids
 
-    async def run(self, messages: tuple[Message, ...], images: Sequence[ImageGrid]) -> list[int]:
+    async def run(
+        self,
+        messages: tuple[Message, ...],
+        images: Sequence[ImageGrid],
+        tools: tuple[dict[str, Any], ...] = (),
+        prompt: str | list[int] | None = None,
+    ) -> list[int]:
         """Render and tokenize in a worker thread (finishes even if the caller is cancelled)."""
-        return await self.offload.run(self.render, messages, images)
+        return await self.offload.run(self.render, messages, images, tools, prompt)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -76,7 +77,7 @@ def test_equal_schemas_share_a_cache_key() -> None:
         (body(top_p=0), "top_p"),
         (body(n=0), "n"),
         (body(n=True), "n"),
-        (body(stop=[""]), "stop"),
+        (body(stop=[""]), "stop[0]"),
         (body(stop=["a"] * 9), "stop"),
         (body(stream="yes"), "stream"),
         (body(response_format="json"), "response_format"),
@@ -103,11 +104,48 @@ def test_equal_schemas_share_a_cache_key() -> None:
             "response_format",
         ),  # two constraints: the second in the body is named
         (body(ignore_eos=1), "ignore_eos"),
+        (body(stream_options={"include_usage": True, "x": 1}), "stream_options.x"),
+        (body(max_tokens=9000), "max_tokens"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+        (body(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools[1].function.name"),
+        (body(tools=[{"type": "function", "function": {"name": "f g"}}]), "tools[0].function.name"),
+        (body(tool_choice="required"), "tool_choice"),
+        (body(logprobs=1), "logprobs"),
+        (body(top_logprobs=21), "top_logprobs"),
+        (body(top_logprobs=2), "top_logprobs"),
+        (body(presence_penalty=2.5), "presence_penalty"),
+        (body(frequency_penalty=-3), "frequency_penalty"),
+        (body(logit_bias={"x": 10}), "logit_bias.x"),
+        (body(seed=1 << 64), "seed"),
+        (body(zeta=1), "zeta"),
     ],
 )
 def test_bad_input_names_the_field(bad: Any, field: str) -> None:
+    # the same field is named whether the body arrives parsed (Python API) or as bytes (server);
+    # NaN has no JSON spelling, so that body exists only as a Python object
+    try:
+        as_json = [json.dumps(bad, allow_nan=False).encode()]
+    except ValueError:
+        as_json = []
+    for given in (bad, *as_json):
+        with pytest.raises(InvalidRequest) as info:
+            parse_chat_request(given, max_images=8)
+        assert info.value.status == 400
+        assert info.value.field == field
+        assert info.value.stage == "admission"
+
+
+def test_unset_future_fields_and_null_unknown_fields_pass() -> None:
+    defaults = {"tools": [], "tool_choice": "none", "logprobs": False, "top_logprobs": 0, "presence_penalty": 0}
+    raw = body(**defaults, frequency_penalty=0.0, logit_bias={}, some_future_field=None)
+    for given in (raw, json.dumps(raw).encode()):
+        assert parse_chat_request(given).sampling.max_tokens == 256
+
+
+def test_unknown_fields_use_openais_wording() -> None:
     with pytest.raises(InvalidRequest) as info:
-        parse_chat_request(bad, max_images=8)
-    assert info.value.status == 400
-    assert info.value.field == field
-    assert info.value.stage == "admission"
+        parse_chat_request(json.dumps(body(best_of=2)).encode())
+    assert info.value.message == "Unrecognized request argument supplied: best_of"

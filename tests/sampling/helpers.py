@@ -31,8 +31,10 @@ def prompt(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(f"<s>[INST]{text}[/INST]", add_special_tokens=False)
 
 
-def add(engine: LLMEngine, request_id: str, ids: list[int], grammar: Any = None, **params: Any) -> None:
-    engine.add(EngineInput(request_id, ids, IMAGE_TOKEN, None, SamplingParams(**params), grammar))
+def add(
+    engine: LLMEngine, request_id: str, ids: list[int], grammar: Any = None, trigger: int | None = None, **params: Any
+) -> None:
+    engine.add(EngineInput(request_id, ids, IMAGE_TOKEN, None, SamplingParams(**params), grammar, trigger))
 
 
 def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[tuple[str, int], SeqOutput]:

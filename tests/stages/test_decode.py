@@ -163,3 +163,18 @@ async def test_inline_preparation_decodes_on_the_loop() -> None:
     stage = DecodeStage(inline=True, transform=recording(threads))
     await stage.run(encode(make_image(8, 8), "PNG"), field=FIELD)
     assert threads == [threading.get_ident()] and stage.limiter.borrowed_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "ok"), [(1, 40_000, False), (40_000, 1, False), (3, 3_000, False), (6, 3_000, True)]
+)
+async def test_an_image_too_thin_for_the_longest_edge_is_refused(width: int, height: int, ok: bool) -> None:
+    # scaled to a 512-pixel longest edge, 3x3000 would be 0.5 pixels wide: the processor fails on it
+    stage = DecodeStage(target_longest_edge=512)
+    data = encode(Image.new("RGB", (width, height)))
+    if ok:
+        assert (await stage.run(data, field="f")).size == (width, height)
+        return
+    with pytest.raises(ImageDecodeError) as info:
+        await stage.run(data, field="messages[0].content[0].image_url.url")
+    assert info.value.field == "messages[0].content[0].image_url.url" and info.value.status == 400

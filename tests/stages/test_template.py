@@ -57,3 +57,36 @@ async def test_placeholder_count_must_match(stage: TemplateStage) -> None:
         await stage.run(request.messages, [])
     assert info.value.field == "messages"
     assert stage.limiter.borrowed_tokens == 0
+
+
+async def test_tools_calls_and_results_render_in_the_mistral_format(stage: TemplateStage, hf_tokenizer: Any) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "call_long_id_from_elsewhere", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    request = parse_chat_request(
+        {
+            "messages": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "done"},
+            ],
+            "tools": [tool],
+        }
+    )
+    assert request.tools is not None and request.tools.mode == "auto"
+    stage.max_prompt_tokens = 1000
+    text = hf_tokenizer.decode(await stage.run(request.messages, [], request.tools.tools))
+    assert text.index("[AVAILABLE_TOOLS]") < text.index("[INST]go[/INST]") < text.index("[TOOL_CALLS]")
+    call_id = request.messages[1].tool_calls[0][0]
+    assert len(call_id) == 9 and request.messages[2].tool_call_id == call_id  # the call and its result still match
+    assert f'{{"name": "f", "arguments": {{"a": 1}}, "id": "{call_id}"}}' in text
+    assert f'[TOOL_RESULTS]{{"content": "done", "call_id": "{call_id}"}}[/TOOL_RESULTS]' in text
+    assert stage.tool_call_token == 9
+
+
+async def test_raw_prompts_skip_the_template(stage: TemplateStage, hf_tokenizer: Any) -> None:
+    assert await stage.run((), [], prompt=[1, 2000, 3000]) == [1, 2000, 3000]
+    assert await stage.run((), [], prompt="hello") == [1, *hf_tokenizer.encode("hello", add_special_tokens=False)]
+    assert await stage.run((), [], prompt="") == [1]  # never an empty prompt
+    with pytest.raises(InvalidRequest) as info:
+        await stage.run((), [], prompt=[1, 10**9])
+    assert info.value.field == "prompt"

@@ -10,7 +10,7 @@ import pytest
 from anyio.abc import TaskStatus
 
 from pipeline import PipelineConfig
-from pipeline.errors import Overloaded
+from pipeline.errors import Overloaded, PromptTooLong, ShuttingDown
 from pipeline.metrics import StageMetrics
 from pipeline.pipeline import Pipeline
 from pipeline.staged import Job, StageWorkers
@@ -91,7 +91,7 @@ async def test_full_pipeline_refuses_admission_at_once(blocked_pipe: tuple[Pipel
             assert info.value.status == 429 and info.value.retry_after > 0
             release.set()
     assert len(results) == 4 and pipe.num_pending == 0
-    assert pipe.metrics.outcomes["refused"] == 1 and pipe.metrics.outcomes["completed"] == 4
+    assert pipe.metrics.requests["refused"] == 1 and pipe.metrics.jobs["completed"] == 4
 
 
 async def test_shutting_down_refuses_with_503() -> None:
@@ -100,3 +100,62 @@ async def test_shutting_down_refuses_with_503() -> None:
         with pytest.raises(Overloaded) as info:
             await pipe.prepare({"messages": [{"role": "user", "content": "x"}]})
         assert info.value.status == 503
+
+
+async def test_max_pending_requests_is_the_bound_that_decides() -> None:
+    # inboxes of 2 and one fetch worker: before, the first inbox refused the 4th request
+    config = PipelineConfig(max_pending_requests=40, stage_queue_size=2, fetch_concurrency=1)
+    release = anyio.Event()
+    body = image_request([data_url(encode(make_image(seed=2)))])
+    async with Pipeline(config, with_engine=False) as pipe:
+        real_run = pipe.preparation.fetch.run
+
+        async def gated_run(url: str, *, field: str) -> bytes:
+            await release.wait()
+            return await real_run(url, field=field)
+
+        pipe.preparation.fetch.run = gated_run  # type: ignore[method-assign]
+
+        async def prepare_one(*, task_status: TaskStatus[None]) -> None:
+            task_status.started()
+            await pipe.prepare(body)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(40):
+                    await tg.start(prepare_one)
+                await anyio.wait_all_tasks_blocked()
+                assert pipe.num_pending == 40
+                with pytest.raises(Overloaded) as info:
+                    await pipe.prepare(body)
+                assert "the limit is 40" in info.value.message
+                release.set()
+        assert pipe.metrics.jobs["completed"] == 40 and pipe.metrics.requests["refused"] == 1
+
+
+async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
+    async with Pipeline(PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512)) as pipe:
+        handle = await pipe.submit(
+            {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "ignore_eos": True}
+        )
+        with anyio.fail_after(60):
+            deltas = aiter(handle)  # held, not dropped: dropping the iterator cancels the request
+            await anext(deltas)  # decoding has started
+            pipe.stop_accepting()
+            assert not await pipe.drain(0)
+            with pytest.raises(ShuttingDown) as info:
+                await handle.result()
+    assert info.value.status == 503 and "shut down before this request finished" in info.value.message
+    assert pipe.metrics.requests["failed"] == 1
+
+
+async def test_a_sequence_that_may_outgrow_the_whole_kv_cache_is_a_400() -> None:
+    # 8 blocks of 16: 128 tokens of cache under a max_model_len of 512
+    async with Pipeline(PipelineConfig(max_running_seqs=2, num_kv_blocks=8, max_model_len=512)) as pipe:
+        body = {"messages": [{"role": "user", "content": "go"}], "ignore_eos": True}
+        with pytest.raises(PromptTooLong) as info:
+            await pipe.prepare({**body, "max_tokens": 200})
+        assert info.value.field == "max_tokens" and "holds 128" in info.value.message
+        handle = await pipe.submit({**body, "max_tokens": 20})
+        with anyio.fail_after(60):
+            assert len((await handle.result()).token_ids) == 20

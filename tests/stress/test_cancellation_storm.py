@@ -64,7 +64,7 @@ async def test_cancellation_storm_leaves_nothing_behind() -> None:
         assert outcomes["failed"] == 0
         await assert_released(pipe)
         # every admitted job left the stages with exactly one outcome
-        left = pipe.metrics.outcomes
+        left = pipe.metrics.jobs
         assert left["completed"] + left["cancelled"] + left["failed"] == NUM_REQUESTS
         # a caller may be cancelled after its job left the last stage (while joining the grammar):
         # then the job counts as completed and the caller as cancelled, never the other way round

@@ -85,5 +85,5 @@ async def test_ten_times_capacity_every_request_has_one_outcome(served: tuple[st
                     tg.start_soon(client, i, session)
         await _assert_nothing_left(pipe)
     assert statuses[200] + statuses[429] == 160 and statuses[200] >= 16 and statuses[429] > 0
-    outcomes = pipe.metrics.outcomes
-    assert outcomes["request_completed"] == statuses[200] and outcomes["refused"] == statuses[429]
+    requests = pipe.metrics.requests
+    assert requests["completed"] == statuses[200] and requests["refused"] == statuses[429]

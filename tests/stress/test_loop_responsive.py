@@ -43,7 +43,7 @@ async def test_loop_gap_stays_small_during_an_image_burst() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
                 tg.start_soon(prepare_all)
-        assert pipe.metrics.outcomes["completed"] == BURST + 1
+        assert pipe.metrics.jobs["completed"] == BURST + 1
     largest = max(gaps)
     print(f"largest loop gap {largest * 1000:.1f} ms over {len(gaps)} ticks")
     assert largest < 0.050
