@@ -20,6 +20,7 @@ from pipeline.types import (
     RequestCancelled,
     ShuttingDown,
     UnsupportedSchemaError,
+    WorkerCrashed,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "RequestCancelled",
     "ShuttingDown",
     "UnsupportedSchemaError",
+    "WorkerCrashed",
 ]
