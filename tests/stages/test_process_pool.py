@@ -27,7 +27,9 @@ SCRIPTED = "tests.stages.pool_tasks:scripted"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spec(checkpoint: Checkpoint, *, encode: bool = True, task: str = ImageWorkerSpec.task) -> ImageWorkerSpec:
+def _spec(
+    checkpoint: Checkpoint, *, encode: bool = True, task: str = "vision.image_worker:ImageTask"
+) -> ImageWorkerSpec:
     return ImageWorkerSpec(str(checkpoint.path), 40_000_000, None, encode, task=task)
 
 
