@@ -56,6 +56,7 @@ class PipelineConfig:
     prep_workers: int = 0  # worker processes; 0: half the cores, at least 2 and at most 8
     prep_worker_nice: int = 19  # added to the workers' niceness: 19 is the lowest CPU priority
     prep_worker_timeout_s: float = 60.0  # a worker stuck on one image longer is killed and replaced
+    prep_worker_task: str = "vision.image_worker:ImageTask"  # "module:factory" of the workers' job (tests)
 
     # -- template + tokenize --
     max_images_per_request: int = 8

@@ -159,6 +159,7 @@ class Preparation:
             target_longest_edge=longest_edge,
             encode=encoder is not None and encoder.device.type == "cpu",
             nice=cfg.prep_worker_nice,
+            task=cfg.prep_worker_task,
         )
         return ImagePool(
             spec,

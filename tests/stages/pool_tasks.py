@@ -7,6 +7,7 @@ would), ``hang`` (never returns), ``gate:PATH`` (waits until the test writes to 
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import time
@@ -17,7 +18,23 @@ import torch
 
 from pipeline.types import ImageDecodeError
 
-__all__ = ["scripted"]
+__all__ = ["crash_on_width_48", "scripted"]
+
+
+def crash_on_width_48(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, int, int, bool]]:
+    """The real job, but the process dies (as in a codec crash) on any image 48 pixels wide."""
+    from vision.image_worker import ImageTask
+
+    real = ImageTask(spec)
+
+    def run(data: bytes, field: str) -> tuple[torch.Tensor, int, int, bool]:
+        from PIL import Image
+
+        if Image.open(io.BytesIO(data)).size[0] == 48:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(data, field)
+
+    return run
 
 
 def scripted(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, int, int, bool]]:
