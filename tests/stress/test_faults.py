@@ -223,5 +223,5 @@ async def test_a_worker_crash_fails_only_that_image_and_the_pool_recovers(caplog
     assert results[1].stage == "decode" and results[1].field == "messages[0].content[1].image_url.url"
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     # the process's death once (with its pid), the request's failure once (with its id)
-    assert len([m for m in errors if "preparation worker" in m and "died" in m]) == 1
+    assert len([m for m in errors if "holding an image" in m]) == 1
     assert len([m for m in errors if results[1].request_id in m]) == 1
