@@ -93,12 +93,15 @@ async def serve(args: argparse.Namespace) -> None:
         stage_queue_size=args.stage_queue_size,
         decode_threads=args.decode_threads,
         template_threads=args.template_threads,
+        preparation_mode=args.preparation_mode,
+        prep_workers=args.prep_workers,
     )
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
+        pipe.preparation.warm()  # start the preparation workers now, not on the first image
         app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -197,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         help="chat template + tokenize threads (default: %(default)s)",
     )
     s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
+    s.add_argument(
+        "--preparation-mode",
+        choices=("process", "thread"),
+        default=_default("preparation_mode"),
+        help="image preparation in low-priority worker processes or in threads (default: %(default)s)",
+    )
+    s.add_argument("--prep-workers", type=int, default=0, help="worker processes (0: from the core count)")
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
     s.add_argument(

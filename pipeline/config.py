@@ -52,7 +52,17 @@ class PipelineConfig:
 
     # -- decode --
     max_image_pixels: int = 40_000_000  # decompression-bomb guard, checked before pixels are decoded
-    decode_threads: int = 2
+    decode_threads: int = 2  # thread mode
+
+    # -- where image preparation runs --
+    # "process": decode, image processor and (when it runs on the CPU) the vision encoder in worker
+    # processes at a low CPU priority (stages/process_pool.py), so the event loop and the decode loop
+    # never wait behind it; "thread": in threads of the serving process (the benchmarks' baseline).
+    preparation_mode: str = "process"
+    prep_workers: int = 0  # worker processes; 0: half the cores, at least 2 and at most 8
+    prep_worker_nice: int = 19  # added to the workers' niceness: 19 is the lowest CPU priority
+    prep_worker_timeout_s: float = 60.0  # a worker stuck on one image longer is killed and replaced
+    prep_worker_task: str = "vision.image_worker:ImageTask"  # "module:factory" of the workers' job (tests)
 
     # -- template + tokenize --
     max_images_per_request: int = 8
@@ -140,11 +150,22 @@ class PipelineConfig:
             )
         if self.encoder_cache_bytes < 0:
             raise ValueError("PipelineConfig.encoder_cache_bytes must be >= 0")
+        if self.preparation_mode not in ("process", "thread"):
+            raise ValueError(
+                f"PipelineConfig.preparation_mode must be process or thread, got {self.preparation_mode!r}"
+            )
+        if self.prep_workers < 0 or not 0 <= self.prep_worker_nice <= 19:
+            raise ValueError("PipelineConfig.prep_workers must be >= 0 and prep_worker_nice in 0..19")
         if self.answer_resample_attempts < 0:
             raise ValueError("PipelineConfig.answer_resample_attempts must be >= 0")
         if self.max_redirects < 0:
             raise ValueError("PipelineConfig.max_redirects must be >= 0")
-        timeouts = ("fetch_connect_timeout_s", "fetch_total_timeout_s", "grammar_compile_timeout_s")
+        timeouts = (
+            "fetch_connect_timeout_s",
+            "fetch_total_timeout_s",
+            "grammar_compile_timeout_s",
+            "prep_worker_timeout_s",
+        )
         for name in (*timeouts, "grammar_xgrammar_budget_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be positive")
@@ -152,6 +173,10 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("PipelineConfig.num_kv_blocks must be positive")
+
+    def num_prep_workers(self) -> int:
+        """The preparation pool's size (``prep_workers``, or from the core count)."""
+        return self.prep_workers or max(2, min(8, (os.cpu_count() or 2) // 2))
 
     def resolved_device(self) -> str:
         """The torch device string this config runs on."""

@@ -24,6 +24,7 @@ from pipeline.types import (
     RouteNotFound,
     ShuttingDown,
     UnsupportedSchemaError,
+    WorkerCrashed,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "RouteNotFound",
     "ShuttingDown",
     "UnsupportedSchemaError",
+    "WorkerCrashed",
 ]

@@ -31,10 +31,12 @@ from stages.encoder_cache import EncoderCache
 from stages.fetch import FetchStage
 from stages.grammar import CompiledConstraint, GrammarStage
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.process_pool import ImagePool
 from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
+from vision.image_worker import ImageWorkerSpec
 from vision.preprocess import ImageTokenIds, preprocess_image
 
 __all__ = ["Preparation", "PreparedInput", "PreparedRequest", "build_grammar_stage", "encoder_cache_namespace"]
@@ -116,12 +118,14 @@ class Preparation:
             allow_private=cfg.allow_private_networks,
             media_root=cfg.media_root,
         )
+        self.pool = self._build_pool(checkpoint, encoder, longest)
         self.decode = DecodeStage(
             max_pixels=cfg.max_image_pixels,
             threads=cfg.decode_threads,
             inline=cfg.inline_preparation,
             target_longest_edge=longest,
             transform=partial(preprocess_image, processor) if processor else None,
+            pool=self.pool,
         )
         self.template = TemplateStage(
             tokenizer,
@@ -155,6 +159,36 @@ class Preparation:
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
 
+    def _build_pool(
+        self, checkpoint: Checkpoint, encoder: VisionEncoder | None, longest_edge: int | None
+    ) -> ImagePool | None:
+        """The worker processes of process mode (for a model that takes images)."""
+        cfg = self.config
+        if cfg.preparation_mode != "process" or cfg.inline_preparation or checkpoint.image_processor is None:
+            return None
+        # The encoder runs in the workers when it runs on the CPU: there it is GIL-free torch work
+        # like the rest, at low priority. On a GPU it stays in this process, on the device, where
+        # its micro-batches share the device with the decode engine and need no copy of the weights.
+        spec = ImageWorkerSpec(
+            checkpoint_path=str(checkpoint.path),
+            max_pixels=cfg.max_image_pixels,
+            target_longest_edge=longest_edge,
+            encode=encoder is not None and encoder.device.type == "cpu",
+            nice=cfg.prep_worker_nice,
+            task=cfg.prep_worker_task,
+        )
+        return ImagePool(
+            spec,
+            size=cfg.num_prep_workers(),
+            max_image_bytes=cfg.max_image_bytes,
+            job_timeout_s=cfg.prep_worker_timeout_s,
+        )
+
+    def warm(self) -> None:
+        """Start the preparation workers now (else on the first image), in the background."""
+        if self.pool is not None:
+            self.pool.warm()
+
     def admit(self, job: Job[PreparedRequest]) -> None:
         """Put ``job`` into the first stage and start its grammar compile beside the stages.
 
@@ -170,6 +204,8 @@ class Preparation:
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
         self.grammar.attach(tg)
+        if self.pool is not None:
+            self.pool.attach(tg)
         for stage in self.stages:
             stage.start(tg)
         if self.vision is not None:
@@ -201,12 +237,14 @@ class Preparation:
         if self.vision is not None:
             await self.vision.aclose()
         await self.fetch.aclose()
+        if self.pool is not None:
+            await self.pool.aclose()
 
     def _build_stages(self) -> list[StageWorkers]:
         cfg = self.config
         steps = [
             ("fetch", self._fetch_step, cfg.fetch_concurrency),
-            ("decode", self._decode_step, cfg.decode_threads * 2),
+            ("decode", self._decode_step, (cfg.num_prep_workers() if self.pool else cfg.decode_threads) * 2),
             ("template", self._template_step, cfg.template_threads * 2),
             ("vision", self._vision_step, cfg.vision_max_batch * 2),
         ]

@@ -22,7 +22,8 @@ it)::
     ├── PayloadTooLarge (413)           a body, image bytes or pixels over the configured cap
     ├── Overloaded (429)                pipeline full; ``retry_after`` seconds
     │   └── ShuttingDown (503)
-    ├── DeadlineExceeded (504)          a configured deadline passed (fetch, grammar compile)
+    ├── DeadlineExceeded (504)          a configured deadline passed (fetch, grammar compile, a stuck worker)
+    ├── WorkerCrashed (500)             a preparation worker process died holding the request's image
     ├── RequestCancelled (499)          the caller cancelled or disconnected
     ├── EngineError (500)               the decode engine failed this sequence
     └── InvalidAnswer (422)             no attempt's answer passed the whole constraint; ``path``
@@ -70,6 +71,7 @@ __all__ = [
     "ShuttingDown",
     "TextPart",
     "UnsupportedSchemaError",
+    "WorkerCrashed",
 ]
 
 T = TypeVar("T")
@@ -199,6 +201,13 @@ class DeadlineExceeded(PipelineError):
     status = 504
     error_type = "deadline_exceeded"
     code = "deadline_exceeded"
+
+
+class WorkerCrashed(PipelineError):
+    """A preparation worker process died holding the request's work (only that work fails)."""
+
+    status = 500
+    error_type = "worker_crashed"
 
 
 class RequestCancelled(PipelineError):

@@ -142,20 +142,26 @@ class VisionEncodeStage:
 
         :raises PipelineError: (500) if the encoder failed on this batch.
         """
-        pending = [_Pending(im) for im in images]
+        # images a preparation worker has encoded already pass through
+        pending = {i: _Pending(im) for i, im in enumerate(images) if im.embeds is None}
         try:
-            for p in pending:
+            for p in pending.values():
                 await self._send.send(p)  # blocks while the stage's inbox is full: backpressure
-            for p in pending:
+            for p in pending.values():
                 await p.embeds.wait()
         except BaseException:
-            for p in pending:
+            for p in pending.values():
                 p.abandoned = True
             raise
-        errors = [p.embeds.error for p in pending if p.embeds.error is not None]
+        errors = [p.embeds.error for p in pending.values() if p.embeds.error is not None]
         if errors:
             raise PipelineError(f"vision encoder failed: {errors[0]!r}", stage=self.name) from errors[0]
-        return [p.embeds.get() for p in pending]
+        return [pending[i].embeds.get() if i in pending else _embeds(im) for i, im in enumerate(images)]
 
     async def aclose(self) -> None:
         await self._send.aclose()
+
+
+def _embeds(image: PreparedImage) -> torch.Tensor:
+    assert image.embeds is not None
+    return image.embeds

@@ -67,6 +67,8 @@ class VisionEncoder:
             return [self._encode_one(image) for image in images]
 
     def _encode_one(self, image: PreparedImage) -> torch.Tensor:
+        if image.pixel_values is None:
+            raise ValueError("the image has no pixels to encode")
         # pixel_values: [1, 3, H, W]
         pixels = image.pixel_values[None].to(self.device, self.dtype, non_blocking=True)
         out: Any = self.tower(pixels, image_sizes=[tuple(image.pixel_values.shape[1:])])

@@ -24,9 +24,11 @@ class ImageGrid(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PreparedImage:
-    pixel_values: torch.Tensor  # [3, H, W], H and W multiples of the patch size
+    pixel_values: torch.Tensor | None  # [3, H, W], H and W multiples of the patch size; None once encoded
     num_rows: int  # patches down
     num_cols: int  # patches across
+    # [num_patches, hidden]: the encoder's output where a preparation worker already ran it
+    embeds: torch.Tensor | None = None
 
     @property
     def num_patches(self) -> int:

@@ -19,6 +19,7 @@ from pipeline.trace import Tracer
 
 __all__ = [
     "ImageServer",
+    "children_cpu_seconds",
     "jpeg_bytes",
     "jpeg_data_url",
     "load_average",
@@ -65,6 +66,19 @@ def machine() -> str:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpu}"
+
+
+def children_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of processes ``pids`` so far (Linux ``/proc``; 0 for one gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def load_average() -> float:

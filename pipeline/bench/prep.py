@@ -1,7 +1,9 @@
 """prep: prepared requests/s through Pipeline.prepare(), CPU-seconds per request per stage.
 
 Efficiency = achieved req/s ÷ (cores ÷ CPU-seconds per request): 1.0 means every core was busy
-with preparation work. The same load runs again with (practically) unlimited concurrency.
+with preparation work. CPU counts the serving process and, in process mode, its preparation
+workers. The load runs with preparation in worker processes, in threads, and in threads with
+(practically) unlimited concurrency, in one invocation.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from tqdm import tqdm
 
 from pipeline.bench.common import (
     ImageServer,
+    children_cpu_seconds,
     jpeg_bytes,
     jpeg_data_url,
+    load_average,
     machine,
     median,
     print_table,
@@ -51,20 +55,26 @@ def _body(kind: str, i: int, data_url: str, http_url: str) -> dict[str, Any]:
 def _stage_cpu(pipe: Pipeline) -> dict[str, float]:
     assert pipe.preparation.vision is not None
     return {
-        "decode": pipe.preparation.decode.offload.cpu_seconds,
+        "decode": pipe.preparation.decode.cpu_seconds,  # process mode: the workers' (encoder included)
         "template": pipe.preparation.template.offload.cpu_seconds,
         "vision": pipe.preparation.vision.offload.cpu_seconds,
     }
 
 
+def _cpu(pipe: Pipeline) -> float:
+    """CPU seconds of this process and of the preparation workers."""
+    pool = pipe.preparation.pool
+    return time.process_time() + (children_cpu_seconds(pool.pids()) if pool is not None else 0.0)
+
+
 async def _one_run(pipe: Pipeline, kind: str, n: int, data_url: str, http_url: str) -> dict[str, float]:
-    cpu_before, stages_before = time.process_time(), _stage_cpu(pipe)
+    cpu_before, stages_before = _cpu(pipe), _stage_cpu(pipe)
     started = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(pipe.prepare, _body(kind, i, data_url, http_url))
     wall = time.perf_counter() - started
-    cpu = time.process_time() - cpu_before
+    cpu = _cpu(pipe) - cpu_before
     stages = {k: (v - stages_before[k]) / n for k, v in _stage_cpu(pipe).items()}
     per_request = cpu / n
     cores = os.cpu_count() or 1
@@ -80,7 +90,9 @@ async def _one_run(pipe: Pipeline, kind: str, n: int, data_url: str, http_url: s
 async def _measure(config: PipelineConfig, args: argparse.Namespace, urls: tuple[str, str], progress: Any) -> dict:
     out: dict[str, dict[str, float]] = {}
     async with Pipeline(config, with_engine=False, tracer=tracer_for(args)) as pipe:
-        await pipe.prepare(_body("base64", 0, *urls))  # warm-up
+        async with anyio.create_task_group() as tg:  # warm-up: every worker started
+            for i in range(config.num_prep_workers()):
+                tg.start_soon(pipe.prepare, _body("base64", i, *urls))
         for kind in KINDS:
             runs = []
             for _ in range(args.repeats):
@@ -97,29 +109,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.vision_threads is not None:
         base = replace(base, vision_encode_threads=args.vision_threads)
     unlimited = replace(base, decode_threads=64, template_threads=64, fetch_concurrency=1024)
+    setups = {
+        "process": replace(base, preparation_mode="process"),
+        "thread": replace(base, preparation_mode="thread"),
+        "thread, unlimited": replace(unlimited, preparation_mode="thread"),
+    }
+    load_before = load_average()
 
     async def main() -> dict[str, Any]:
         async with ImageServer(jpeg) as images:
             urls = (data_url, images.url)
-            with tqdm(total=2 * len(KINDS) * args.repeats, desc="prep", file=sys.stderr) as progress:
-                bounded = await _measure(base, args, urls, progress)
-                free = await _measure(unlimited, args, urls, progress)
-        return {"bounded": bounded, "unlimited": free}
+            with tqdm(total=len(setups) * len(KINDS) * args.repeats, desc="prep", file=sys.stderr) as progress:
+                return {name: await _measure(config, args, urls, progress) for name, config in setups.items()}
 
     result = anyio.run(main)
     print(
         f"\nprep: {args.requests} concurrent requests per kind, median of {args.repeats} runs, "
-        f"vision_encode_threads={base.vision_encode_threads}, {machine()}"
+        f"vision_encode_threads={base.vision_encode_threads}, {machine()}, load {load_before} -> {load_average()}"
     )
-    headers = ["kind", "limits", "req/s", "CPU ms/req", "decode", "template", "vision", "loop+other", "efficiency"]
+    headers = ["kind", "setup", "req/s", "CPU ms/req", "decode", "template", "vision", "loop+other", "efficiency"]
     rows = []
     for kind in KINDS:
-        for mode in ("bounded", "unlimited"):
-            r = result[mode][kind]
+        for name in setups:
+            r = result[name][kind]
             rows.append(
                 [
                     kind,
-                    mode,
+                    name,
                     r["req_per_s"],
                     r["cpu_s_per_request"] * 1000,
                     r["cpu_decode"] * 1000,
@@ -130,15 +146,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
             )
     print_table(headers, rows)
-    print("(stage columns: thread CPU ms per request; torch's own worker threads count under loop+other)")
+    print(
+        "(stage columns: thread CPU ms per request; in process mode decode is the workers' job time, vision "
+        "encoder included; torch's own worker threads count under loop+other)"
+    )
+    default = base.preparation_mode
     figures: dict[str, Any] = {
         "scenario": "prep",
         "machine": machine(),
+        "mode": default,
         "requests": args.requests,
         "vision_encode_threads": base.vision_encode_threads,
     }
     for kind in KINDS:
-        b, u = result["bounded"][kind], result["unlimited"][kind]
+        b, u = result[default][kind], result["thread, unlimited"][kind]
         figures[kind] = {
             "req_per_s": round(b["req_per_s"], 2),
             "efficiency": round(b["efficiency"], 3),
@@ -148,16 +169,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             "unlimited_req_per_s": round(u["req_per_s"], 2),
             "ratio_vs_unlimited": round(b["req_per_s"] / u["req_per_s"], 3),
+            "by_setup": {
+                name: {"req_per_s": round(r[kind]["req_per_s"], 2), "efficiency": round(r[kind]["efficiency"], 3)}
+                for name, r in result.items()
+            },
         }
 
     def plot(ax: Any) -> None:
         stages = ("decode", "template", "vision", "loop_and_other")
         bottom = [0.0] * len(KINDS)
         for stage in stages:
-            values = [result["bounded"][k][f"cpu_{stage}"] * 1000 for k in KINDS]
+            values = [result[default][k][f"cpu_{stage}"] * 1000 for k in KINDS]
             ax.bar(KINDS, values, bottom=bottom, label=stage)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.set_ylabel("CPU ms per request")
+        ax.set_ylabel(f"CPU ms per request ({default} mode)")
         ax.legend()
 
     write_outputs(args.out, "prep", figures, plot)

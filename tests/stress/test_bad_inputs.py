@@ -176,9 +176,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-async def served() -> AsyncIterator[tuple[str, Pipeline]]:
-    config = PipelineConfig(max_prompt_tokens=1024, max_running_seqs=4, num_kv_blocks=256, max_model_len=2048)
+@pytest.fixture(scope="module", params=["process", "thread"])
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, Pipeline]]:
+    config = PipelineConfig(
+        max_prompt_tokens=1024,
+        max_running_seqs=4,
+        num_kv_blocks=256,
+        max_model_len=2048,
+        preparation_mode=request.param,
+    )
     async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
         yield base, pipe
 

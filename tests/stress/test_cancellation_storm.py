@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import anyio
+import pytest
 
 from pipeline import PipelineConfig
 from pipeline.errors import PipelineError
@@ -23,10 +25,12 @@ def storm_body(i: int, images: list[str]) -> dict[str, object]:
     return body
 
 
-async def test_cancellation_storm_leaves_nothing_behind() -> None:
+@pytest.mark.parametrize("mode", ["process", "thread"])
+async def test_cancellation_storm_leaves_nothing_behind(mode: str) -> None:
     rng = random.Random(1234)
     images = [data_url(encode(make_image(256, 192, seed=s), "JPEG"), "image/jpeg") for s in range(2)]
-    config = PipelineConfig(max_pending_requests=NUM_REQUESTS, stage_queue_size=NUM_REQUESTS)
+    config = PipelineConfig(max_pending_requests=NUM_REQUESTS, stage_queue_size=NUM_REQUESTS, preparation_mode=mode)
+    shm_before = set(os.listdir("/dev/shm"))
     outcomes: dict[str, int] = {"completed": 0, "cancelled": 0, "failed": 0}
 
     async with Pipeline(config, with_engine=False) as pipe:
@@ -69,3 +73,8 @@ async def test_cancellation_storm_leaves_nothing_behind() -> None:
         # a caller may be cancelled after its job left the last stage (while joining the grammar):
         # then the job counts as completed and the caller as cancelled, never the other way round
         assert left["completed"] >= outcomes["completed"] and left["cancelled"] <= outcomes["cancelled"]
+        pool = pipe.preparation.pool
+        assert (pool is not None) == (mode == "process")
+        if pool is not None:  # cancelled jobs' workers finished them: none was killed or died
+            assert pool.stats.crashes == pool.stats.timeouts == 0 and pool.limiter.borrowed_tokens == 0
+    assert set(os.listdir("/dev/shm")) == shm_before

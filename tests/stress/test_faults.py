@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -20,6 +20,7 @@ from pipeline.errors import (
     ImageFetchError,
     PayloadTooLarge,
     PipelineError,
+    WorkerCrashed,
 )
 from pipeline.pipeline import Pipeline
 from tests.images import data_url, encode, image_request, make_image
@@ -73,8 +74,7 @@ async def faulty_images() -> AsyncIterator[Faulty]:
             release.set()  # let the hanging handlers return before the server stops
 
 
-@pytest.fixture
-async def pipe() -> AsyncIterator[Pipeline]:
+def _config(**changes: Any) -> PipelineConfig:
     config = PipelineConfig(
         allow_private_networks=True,
         fetch_total_timeout_s=0.5,
@@ -83,7 +83,19 @@ async def pipe() -> AsyncIterator[Pipeline]:
         num_kv_blocks=512,
         max_model_len=4096,
     )
-    async with Pipeline(config) as p:
+    return replace(config, **changes)
+
+
+@pytest.fixture(params=["process", "thread"])
+async def pipe(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
+    async with Pipeline(_config(preparation_mode=request.param)) as p:
+        yield p
+
+
+@pytest.fixture
+async def thread_pipe() -> AsyncIterator[Pipeline]:
+    """Preparation in this process's threads, where a test can patch the vision encoder."""
+    async with Pipeline(_config(preparation_mode="thread")) as p:
         yield p
 
 
@@ -117,8 +129,9 @@ async def test_image_server_faults_fail_only_their_requests(pipe: Pipeline, faul
 
 
 async def test_vision_encoder_failure_fails_only_that_image(
-    pipe: Pipeline, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    thread_pipe: Pipeline, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    pipe = thread_pipe
     assert pipe.encoder is not None
     real = pipe.encoder.encode
 
@@ -193,3 +206,22 @@ async def test_engine_step_raising_for_one_sequence(
     assert len(logged) == 1 and logged[0].exc_info is not None
     assert results[0].completion_tokens == 4 and results[2].completion_tokens == 4
     await assert_released(pipe)
+
+
+async def test_a_worker_crash_fails_only_that_image_and_the_pool_recovers(caplog: pytest.LogCaptureFixture) -> None:
+    config = _config(preparation_mode="process", prep_worker_task="tests.stages.pool_tasks:crash_on_width_48")
+    widths = [32, 48, 64]
+    bodies = [image_request([data_url(encode(make_image(w, 32, seed=w)))], max_tokens=2) for w in widths]
+    async with Pipeline(config) as pipe:
+        with anyio.fail_after(120):
+            results = await _outcomes(pipe, bodies)
+            again = await _outcomes(pipe, [bodies[0], bodies[2]])
+        await assert_released(pipe)
+        assert pipe.preparation.pool is not None and pipe.preparation.pool.stats.crashes == 1
+    assert [r.completion_tokens for r in (results[0], results[2], *again)] == [2, 2, 2, 2]
+    assert isinstance(results[1], WorkerCrashed) and results[1].status == 500
+    assert results[1].stage == "decode" and results[1].field == "messages[0].content[1].image_url.url"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    # the process's death once (with its pid), the request's failure once (with its id)
+    assert len([m for m in errors if "holding an image" in m]) == 1
+    assert len([m for m in errors if results[1].request_id in m]) == 1

@@ -18,10 +18,15 @@ from tests.released import assert_released
 from tests.servers import serving
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[str, Pipeline]]:
+@pytest.fixture(params=["process", "thread"])
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, Pipeline]]:
     config = PipelineConfig(
-        max_pending_requests=16, stage_queue_size=16, max_running_seqs=8, num_kv_blocks=512, max_model_len=2048
+        max_pending_requests=16,
+        stage_queue_size=16,
+        max_running_seqs=8,
+        num_kv_blocks=512,
+        max_model_len=2048,
+        preparation_mode=request.param,
     )
     async with Pipeline(config) as pipe, serving(create_app(pipe), handler_cancellation=True) as base:
         yield base, pipe
