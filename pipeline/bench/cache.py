@@ -123,8 +123,10 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     on_cfg = PipelineConfig(encoder_cache_bytes=int(args.encoder_cache_mb * 2**20))
     off_cfg = PipelineConfig(encoder_cache_bytes=0, prefix_caching=False)
     async with Pipeline(on_cfg, tracer=tracer_for(args)) as on, Pipeline(off_cfg) as off:
-        for pipe in (on, off):  # warm-up: first image, first prefill of each pipeline
-            await ttft(pipe, body(image_url(1), "warm up"))
+        for pipe in (on, off):  # warm-up: every preparation worker, first image, first prefill
+            async with anyio.create_task_group() as tg:
+                for i in range(pipe.config.num_prep_workers()):
+                    tg.start_soon(ttft, pipe, body(image_url(1000 + i), "warm up"))
         image = await _ttft_pairs(on, args.repeats, 10_000, 0)
         prefix = await _ttft_pairs(on, args.repeats, 20_000, 12)
         rates: dict[str, list[float]] = {"on": [], "off": []}
