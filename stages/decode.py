@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from pipeline.types import ImageDecodeError, PipelineError
+from pipeline.types import PipelineError
 from stages.offload import Offload
 from stages.process_pool import ImagePool
-from vision.image_io import decode_image
+from vision.image_io import check_scalable, decode_image
 
 __all__ = ["DecodeStage"]
 
@@ -46,21 +46,8 @@ class DecodeStage:
         image = decode_image(
             data, max_pixels=self.max_pixels, target_longest_edge=self.target_longest_edge, field=field
         )
-        self._check_shape(image.size, field)
+        check_scalable(image.size, self.target_longest_edge, field)
         return self.transform(image) if self.transform is not None else image
-
-    def _check_shape(self, size: tuple[int, int], field: str) -> None:
-        """:raises ImageDecodeError: an image so thin that, scaled to the processor's longest edge, its
-        shorter side would round to no pixel (the processor would fail on it)."""
-        longest = self.target_longest_edge
-        short, long = sorted(size)
-        if longest is not None and long > longest and short * longest < long:
-            raise ImageDecodeError(
-                f"the image is {size[0]}x{size[1]} pixels: scaled to the model's longest edge ({longest} px) "
-                f"its shorter side would be under one pixel (the aspect ratio may be at most {longest}:1)",
-                field=field,
-                stage=self.name,
-            )
 
     async def run(self, data: bytes, *, field: str) -> Any:
         """The decoded RGB ``PIL.Image`` (or its transform; with a pool, its ``PreparedImage``).

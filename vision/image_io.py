@@ -9,7 +9,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.types import ImageDecodeError, PayloadTooLarge
 
-__all__ = ["SUPPORTED_FORMATS", "decode_image", "draft_size"]
+__all__ = ["SUPPORTED_FORMATS", "check_scalable", "decode_image", "draft_size"]
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 _WHITE = (255, 255, 255)
@@ -48,6 +48,19 @@ def decode_image(data: bytes, *, max_pixels: int, target_longest_edge: int | Non
         return _to_rgb(image)
     except _CORRUPT as exc:
         raise ImageDecodeError(f"corrupt or truncated image: {exc}", field=field, stage="decode") from None
+
+
+def check_scalable(size: tuple[int, int], longest_edge: int | None, field: str) -> None:
+    """:raises ImageDecodeError: an image so thin that, scaled to the processor's longest edge, its
+    shorter side would round to no pixel (the processor would fail on it)."""
+    short, long = sorted(size)
+    if longest_edge is not None and long > longest_edge and short * longest_edge < long:
+        raise ImageDecodeError(
+            f"the image is {size[0]}x{size[1]} pixels: scaled to the model's longest edge ({longest_edge} px) "
+            f"its shorter side would be under one pixel (the aspect ratio may be at most {longest_edge}:1)",
+            field=field,
+            stage="decode",
+        )
 
 
 def draft_size(size: tuple[int, int], target_longest_edge: int) -> tuple[int, int] | None:

@@ -85,13 +85,14 @@ class ImageTask:
         self.encoder = VisionEncoder(checkpoint, device="cpu") if spec.encode else None
 
     def __call__(self, data: bytes, field: str) -> tuple[torch.Tensor, int, int, bool]:
-        from vision.image_io import decode_image
+        from vision.image_io import check_scalable, decode_image
         from vision.preprocess import preprocess_image
 
         spec = self.spec
         image = decode_image(
             data, max_pixels=spec.max_pixels, target_longest_edge=spec.target_longest_edge, field=field
         )
+        check_scalable(image.size, spec.target_longest_edge, field)
         prepared = preprocess_image(self.processor, image)
         assert prepared.pixel_values is not None
         if self.encoder is None:

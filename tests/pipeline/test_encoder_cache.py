@@ -22,10 +22,17 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-async def pipe() -> AsyncIterator[Pipeline]:
-    async with Pipeline(PipelineConfig(), with_engine=False) as p:
+@pytest.fixture(scope="module", params=["process", "thread"])
+async def pipe(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
+    async with Pipeline(PipelineConfig(preparation_mode=request.param), with_engine=False) as p:
         yield p
+
+
+def num_encoded(pipe: Pipeline) -> int:
+    """Images the encoder ran on: in the vision stage's batches, or in a preparation worker."""
+    pool = pipe.preparation.pool
+    assert pipe.preparation.vision is not None
+    return sum(pipe.preparation.vision.batch_sizes) + (pool.stats.jobs if pool is not None else 0)
 
 
 def image(seed: int) -> tuple[str, str]:
@@ -37,11 +44,11 @@ async def test_a_repeated_image_is_a_hit_with_the_same_embeddings(pipe: Pipeline
     cache = pipe.preparation.encoder_cache
     assert cache is not None
     url, digest = image(101)
-    before = (cache.stats.hits, cache.stats.misses, sum(pipe.preparation.vision.batch_sizes))  # type: ignore[union-attr]
+    before = (cache.stats.hits, cache.stats.misses, num_encoded(pipe))
     first = await pipe.prepare(image_request([url]))
     second = await pipe.prepare(image_request([url], text="Another question."))
     assert (cache.stats.hits - before[0], cache.stats.misses - before[1]) == (1, 1)
-    assert sum(pipe.preparation.vision.batch_sizes) - before[2] == 1  # type: ignore[union-attr]
+    assert num_encoded(pipe) - before[2] == 1
     assert first.image_embeds is not None and second.image_embeds is not None
     assert torch.equal(first.image_embeds, second.image_embeds)
     assert [k.content_hash for k in second.image_keys] == [digest]
@@ -56,7 +63,7 @@ async def test_concurrent_identical_images_encode_once(pipe: Pipeline) -> None:
     assert cache is not None and vision is not None
     url, _ = image(102)
     other, _ = image(103)
-    misses, encoded = cache.stats.misses, sum(vision.batch_sizes)
+    misses, encoded = cache.stats.misses, num_encoded(pipe)
     results = []
 
     async def one(urls: list[str]) -> None:
@@ -66,7 +73,7 @@ async def test_concurrent_identical_images_encode_once(pipe: Pipeline) -> None:
         async with anyio.create_task_group() as tg:
             for i in range(6):  # also in the other order, and twice in one request
                 tg.start_soon(one, [url, other] if i % 3 == 0 else [other, url] if i % 3 == 1 else [url, url])
-    assert cache.stats.misses - misses == 2 and sum(vision.batch_sizes) - encoded == 2
+    assert cache.stats.misses - misses == 2 and num_encoded(pipe) - encoded == 2
     rows = {len(r.image_keys): r for r in results}
     assert set(rows) == {2}
     await assert_released(pipe)
