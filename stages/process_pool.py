@@ -241,7 +241,7 @@ class ImagePool:
             worker.outbox.close()
             worker.outbox = Slab.attach(recv_handle(worker.conn))
         self.stats.cpu_seconds += reply.cpu_s
-        nbytes = torch.Size(reply.shape).numel() * torch.empty((), dtype=reply.dtype).element_size()
+        nbytes = torch.Size(reply.shape).numel() * reply.dtype.itemsize
         if nbytes > _COPY_IN_THREAD_BYTES:
             tensor = await anyio.to_thread.run_sync(worker.outbox.read_tensor, reply.shape, reply.dtype)
         else:

@@ -149,21 +149,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     rows = [
         [
-            "repeated image",
-            m["image"]["prompt_tokens"],
-            m["image"]["first_ms"],
-            m["image"]["repeat_ms"],
-            m["image"]["ratio"],
-            f"{m['image']['ratio_min']:.2f}-{m['image']['ratio_max']:.2f}",
-        ],
-        [
-            "shared prefix",
-            m["prefix"]["prompt_tokens"],
-            m["prefix"]["first_ms"],
-            m["prefix"]["repeat_ms"],
-            m["prefix"]["ratio"],
-            f"{m['prefix']['ratio_min']:.2f}-{m['prefix']['ratio_max']:.2f}",
-        ],
+            label,
+            m[key]["prompt_tokens"],
+            m[key]["first_ms"],
+            m[key]["repeat_ms"],
+            m[key]["ratio"],
+            f"{m[key]['ratio_min']:.2f}-{m[key]['ratio_max']:.2f}",
+        ]
+        for label, key in (("repeated image", "image"), ("shared prefix", "prefix"))
     ]
     print_table(["TTFT", "prompt tokens", "first ms", "repeat ms", "ratio", "min-max"], rows)
     print_table(

@@ -38,7 +38,7 @@ async def _compile_started(session: aiohttp.ClientSession, url: str) -> None:
         async with session.get(f"{url}/metrics") as resp:
             if 'pipeline_stage_completed_total{stage="template"} 1' in await resp.text():
                 return
-        await anyio.sleep(0.05)
+        await anyio.sleep(0.05)  # noqa: sleep-ok: polls another process's /metrics (see above)
 
 
 async def test_a_shutdown_during_a_long_compile_respects_the_timeout() -> None:

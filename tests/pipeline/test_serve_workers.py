@@ -46,7 +46,7 @@ async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
             lowest = min(19, os.nice(0) + 19)
             # serve starts its two workers at once; each lowers its priority first thing once running
             while len(workers) < 2 or any(_nice(pid) != lowest for pid in workers):
-                await anyio.sleep(0.05)  # polling /proc: nothing to wait on for another process's children
+                await anyio.sleep(0.05)  # noqa: sleep-ok: polls /proc; another process's children give no event
                 workers = [pid for pid in _children(process.pid) if "multiprocessing.spawn" in _cmdline(pid)]
         process.send_signal(ending)
         with anyio.fail_after(60):

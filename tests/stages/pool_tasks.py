@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import os
 import signal
-import time
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +42,8 @@ def scripted(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, int, int, 
         command, _, arg = data.decode().partition(":")
         if command == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
-        if command == "hang":
-            time.sleep(3600)
+        if command == "hang":  # a stuck codec: blocks until the pool kills the process
+            threading.Event().wait()
         if command == "gate":
             with open(arg, "rb") as fifo:  # blocks until the test opens the FIFO for writing
                 fifo.read()

@@ -56,19 +56,24 @@ async def test_full_stage_blocks_its_producer() -> None:
     assert seen.count("second:0") == 1 and len(seen) == 8
 
 
+def gate_fetch(pipe: Pipeline) -> anyio.Event:
+    """Hold every fetch until the returned event is set (the stages behind it fill up meanwhile)."""
+    release = anyio.Event()
+    real_run = pipe.preparation.fetch.run
+
+    async def gated_run(url: str, *, field: str) -> bytes:
+        await release.wait()
+        return await real_run(url, field=field)
+
+    pipe.preparation.fetch.run = gated_run  # type: ignore[method-assign]
+    return release
+
+
 @pytest.fixture
 async def blocked_pipe() -> AsyncIterator[tuple[Pipeline, anyio.Event]]:
     config = PipelineConfig(max_pending_requests=4, stage_queue_size=4, fetch_concurrency=1)
-    release = anyio.Event()
     async with Pipeline(config, with_engine=False) as pipe:
-        real_run = pipe.preparation.fetch.run
-
-        async def gated_run(url: str, *, field: str) -> bytes:
-            await release.wait()
-            return await real_run(url, field=field)
-
-        pipe.preparation.fetch.run = gated_run  # type: ignore[method-assign]
-        yield pipe, release
+        yield pipe, gate_fetch(pipe)
 
 
 async def test_full_pipeline_refuses_admission_at_once(blocked_pipe: tuple[Pipeline, anyio.Event]) -> None:
@@ -105,16 +110,9 @@ async def test_shutting_down_refuses_with_503() -> None:
 async def test_max_pending_requests_is_the_bound_that_decides() -> None:
     # inboxes of 2 and one fetch worker: before, the first inbox refused the 4th request
     config = PipelineConfig(max_pending_requests=40, stage_queue_size=2, fetch_concurrency=1)
-    release = anyio.Event()
     body = image_request([data_url(encode(make_image(seed=2)))])
     async with Pipeline(config, with_engine=False) as pipe:
-        real_run = pipe.preparation.fetch.run
-
-        async def gated_run(url: str, *, field: str) -> bytes:
-            await release.wait()
-            return await real_run(url, field=field)
-
-        pipe.preparation.fetch.run = gated_run  # type: ignore[method-assign]
+        release = gate_fetch(pipe)
 
         async def prepare_one(*, task_status: TaskStatus[None]) -> None:
             task_status.started()
