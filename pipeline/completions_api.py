@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import anyio
 import msgspec
-from aiohttp import web
 
 from pipeline.handle import Choice as AnswerChoice
 from pipeline.handle import Delta as AnswerDelta
 from pipeline.handle import RequestHandle, Result
 from pipeline.pipeline import Pipeline
 from pipeline.protocol import Completion, CompletionChoice, CompletionLogprobs, Usage
+from pipeline.replies import DONE, Reply, Send, StreamReply, event
 from pipeline.request import ChatRequest
 from pipeline.responses import TokenText
 from pipeline.types import PipelineError
@@ -63,23 +64,21 @@ async def _submit_all(pipe: Pipeline, requests: list[ChatRequest]) -> list[Reque
 class _Stream:
     """Writes one completion stream; chunks of every prompt, in the order they come."""
 
-    def __init__(self, request: web.Request, base: Completion, tokens: TokenText, n: int) -> None:
-        self.request, self.base, self.tokens, self.n = request, base, tokens, n
-        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    def __init__(self, send: Send, base: Completion, tokens: TokenText, n: int) -> None:
+        self._send, self.base, self.tokens, self.n = send, base, tokens, n
+        self.sent = False  # an error before the first event is still a plain 4xx
         self.offsets: dict[int, int] = {}
         self.lock = anyio.Lock()
 
     async def write(self, payload: object) -> None:
         async with self.lock:  # one writer at a time: prompts stream from tasks of their own
-            if not self.response.prepared:  # on the first chunk: an error before it is still a plain 4xx
-                await self.response.prepare(self.request)
-            await self.response.write(b"data: " + msgspec.json.encode(payload) + b"\n\n")
+            self.sent = True
+            await self._send(event(payload))
 
     async def write_done(self) -> None:
         async with self.lock:
-            if not self.response.prepared:
-                await self.response.prepare(self.request)
-            await self.response.write(b"data: [DONE]\n\n")
+            self.sent = True
+            await self._send(DONE)
 
     async def send(self, prompt: int, delta: AnswerDelta, wants_logprobs: bool) -> None:
         index = prompt * self.n + delta.index
@@ -94,60 +93,67 @@ class _Stream:
             await self.send(prompt, delta, handle.request.sampling.logprobs is not None)
 
 
-async def answer_completions(
-    request: web.Request, pipe: Pipeline, requests: list[ChatRequest], tokens: TokenText
-) -> web.StreamResponse:
+async def _write_stream(
+    handles: list[RequestHandle], base: Completion, tokens: TokenText, include_usage: bool, send: Send
+) -> None:
+    """``StreamReply.write`` of a completion: every prompt's deltas as they come, then ``[DONE]``."""
+    stream = _Stream(send, base, tokens, handles[0].request.sampling.n)
+    error: PipelineError | None = None
+    gone = False
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, handle in enumerate(handles):
+                    tg.start_soon(stream.pump, i, handle)
+            if include_usage:
+                results = [await handle.result() for handle in handles]
+                await stream.write(msgspec.structs.replace(base, usage=_usage(results)))
+        except* PipelineError as group:
+            error = group.exceptions[0]  # type: ignore[assignment]  # the first prompt to fail ends them all
+        except* ConnectionError:
+            gone = True
+    except BaseException:
+        for handle in handles:  # the caller was cancelled
+            handle.cancel()
+        raise
+    if gone:
+        for handle in handles:
+            handle.cancel()
+        raise ConnectionResetError("the client went away mid-stream")
+    if error is not None:
+        for handle in handles:
+            handle.cancel()
+        if not stream.sent:
+            raise error
+        await stream.write({"error": error.to_dict()})  # headers are gone: in-band, as OpenAI does
+    await stream.write_done()
+
+
+async def answer_completions(pipe: Pipeline, requests: list[ChatRequest], tokens: TokenText) -> Reply | StreamReply:
     """Submit every prompt and answer them as one completion (streamed or whole).
 
-    :raises PipelineError: a refusal at admission, or the first error of a prompt before anything was sent.
+    :raises PipelineError: a refusal at admission, or the first error of a prompt (unstreamed).
     """
     handles = await _submit_all(pipe, requests)
     first = requests[0]
     n = first.sampling.n
     model = first.model or pipe.model_name
     base = Completion(id=first.request_id.rsplit("-", 1)[0], created=int(time.time()), model=model, choices=[])
+    if first.stream:
+        return StreamReply(partial(_write_stream, handles, base, tokens, first.include_usage))
     wants_logprobs = first.sampling.logprobs is not None
-    if not first.stream:
-        try:
-            results = [await handle.result() for handle in handles]
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            raise
-
-        def choice(prompt: int, c: AnswerChoice) -> CompletionChoice:
-            logprobs = _logprobs(c.logprobs, tokens, 0) if wants_logprobs else None
-            return CompletionChoice(
-                index=prompt * n + c.index, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs
-            )
-
-        choices = [choice(i, c) for i, r in enumerate(results) for c in r.choices]
-        body = msgspec.structs.replace(base, choices=choices, usage=_usage(results))
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-    stream = _Stream(request, base, tokens, n)
-    response = stream.response
-    error: PipelineError | None = None
-    gone = False
     try:
-        async with anyio.create_task_group() as tg:
-            for i, handle in enumerate(handles):
-                tg.start_soon(stream.pump, i, handle)
-        if first.include_usage:
-            results = [await handle.result() for handle in handles]
-            await stream.write(msgspec.structs.replace(base, usage=_usage(results)))
-    except* PipelineError as group:
-        error = group.exceptions[0]  # type: ignore[assignment]  # the first prompt to fail ends them all
-    except* ConnectionError:
-        gone = True  # the client went away mid-stream
-    if gone:
+        results = [await handle.result() for handle in handles]
+    except BaseException:
         for handle in handles:
             handle.cancel()
-        return response
-    if error is not None:
-        for handle in handles:
-            handle.cancel()
-        if not response.prepared:
-            raise error
-        await stream.write({"error": error.to_dict()})  # headers are gone: in-band, as OpenAI does
-    await stream.write_done()
-    return response
+        raise
+
+    def choice(prompt: int, c: AnswerChoice) -> CompletionChoice:
+        logprobs = _logprobs(c.logprobs, tokens, 0) if wants_logprobs else None
+        return CompletionChoice(
+            index=prompt * n + c.index, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs
+        )
+
+    choices = [choice(i, c) for i, r in enumerate(results) for c in r.choices]
+    return Reply(200, msgspec.json.encode(msgspec.structs.replace(base, choices=choices, usage=_usage(results))))

@@ -14,8 +14,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pipeline.errors import AuthenticationFailed
+from pipeline.replies import Reply, error_reply
 
-__all__ = ["API_KEY_ENV", "api_key_middleware", "resolve_api_key"]
+__all__ = ["API_KEY_ENV", "api_key_middleware", "api_key_refusal", "resolve_api_key"]
 
 API_KEY_ENV = "PIPELINE_API_KEY"
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
@@ -26,26 +27,29 @@ def resolve_api_key(given: str | None) -> str | None:
     return given or os.environ.get(API_KEY_ENV) or None
 
 
-def _refusal(message: str) -> web.Response:
-    error = AuthenticationFailed(message, field="Authorization")
-    response = web.json_response({"error": error.to_dict()}, status=error.status)
-    response.headers["WWW-Authenticate"] = "Bearer"
-    return response
+def api_key_refusal(api_key: str, path: str, authorization: str | None, *, protect_all: bool = False) -> Reply | None:
+    """The 401 (OpenAI's shape) for a request to ``path`` without ``Bearer api_key``; None: let it in."""
+    if not protect_all and path in _OPEN_PATHS:
+        return None
+    if authorization is None:
+        message = "no API key: send 'Authorization: Bearer KEY'"
+    elif not hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+        message = "Incorrect API key provided"
+    else:
+        return None
+    reply = error_reply(AuthenticationFailed(message, field="Authorization"))
+    reply.headers["WWW-Authenticate"] = "Bearer"
+    return reply
 
 
 def api_key_middleware(api_key: str, *, protect_all: bool = False) -> Middleware:
-    """A middleware that refuses (401, OpenAI's shape) requests without ``Bearer api_key``."""
-    expected = f"Bearer {api_key}".encode()
+    """An aiohttp middleware that refuses (401) requests without ``Bearer api_key``."""
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not protect_all and request.path in _OPEN_PATHS:
-            return await handler(request)
-        given = request.headers.get("Authorization")
-        if given is None:
-            return _refusal("no API key: send 'Authorization: Bearer KEY'")
-        if not hmac.compare_digest(given.encode(), expected):
-            return _refusal("Incorrect API key provided")
+        refusal = api_key_refusal(api_key, request.path, request.headers.get("Authorization"), protect_all=protect_all)
+        if refusal is not None:
+            return web.Response(status=refusal.status, body=refusal.body, headers=refusal.headers)
         return await handler(request)
 
     return require_api_key

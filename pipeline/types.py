@@ -24,6 +24,7 @@ it)::
     │   └── ShuttingDown (503)
     ├── DeadlineExceeded (504)          a configured deadline passed (fetch, grammar compile, a stuck worker)
     ├── WorkerCrashed (500)             a preparation worker process died holding the request's image
+    ├── ReplicaFailed (502)             a serving replica died holding the request (scale-out only)
     ├── RequestCancelled (499)          the caller cancelled or disconnected
     ├── EngineError (500)               the decode engine failed this sequence
     └── InvalidAnswer (422)             no attempt's answer passed the whole constraint; ``path``
@@ -66,6 +67,7 @@ __all__ = [
     "PayloadTooLarge",
     "PipelineError",
     "PromptTooLong",
+    "ReplicaFailed",
     "RequestCancelled",
     "RouteNotFound",
     "ShuttingDown",
@@ -208,6 +210,15 @@ class WorkerCrashed(PipelineError):
 
     status = 500
     error_type = "worker_crashed"
+
+
+class ReplicaFailed(PipelineError):
+    """A serving replica died, or could not be reached, while it held the request (scale-out only):
+    the request was not retried because part of its answer had already left."""
+
+    status = 502
+    error_type = "replica_failed"
+    code = "replica_failed"
 
 
 class RequestCancelled(PipelineError):
