@@ -11,6 +11,10 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -72,16 +76,10 @@ async def _send_demo(port: int) -> None:
     print("stage timings (s):", {k: round(v, 4) for k, v in body["timings"].items()})
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from aiohttp import web
-
+def _config(args: argparse.Namespace) -> PipelineConfig:
     from pipeline.config import PipelineConfig
-    from pipeline.pipeline import Pipeline
-    from pipeline.server import create_app
-    from pipeline.server_auth import resolve_api_key
-    from pipeline.trace import Tracer
 
-    config = PipelineConfig(
+    return PipelineConfig(
         model=args.model,
         served_model_names=tuple(args.served_model_name or ()),
         grammar_backend=args.grammar_backend,
@@ -96,6 +94,17 @@ async def serve(args: argparse.Namespace) -> None:
         preparation_mode=args.preparation_mode,
         prep_workers=args.prep_workers,
     )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from pipeline.pipeline import Pipeline
+    from pipeline.server import create_app
+    from pipeline.server_auth import resolve_api_key
+    from pipeline.trace import Tracer
+
+    config = _config(args)
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
@@ -221,12 +230,29 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="interpreter GIL switch interval (default 5 ms): how long the loop may wait for a busy worker thread",
     )
+    s.add_argument("--ray", action="store_true", help="serve on Ray Serve replicas with cache-affinity routing")
+    s.add_argument("--replicas", type=int, default=2, help="with --ray: pipeline replicas (default: %(default)s)")
+    s.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="with --ray: CPUs Ray reserves per replica (default: %(default)s)",
+    )
+    s.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --ray: the cluster to join (default: $RAY_ADDRESS, else a local cluster started here)",
+    )
     s.add_argument("--trace", default=None, help="write every request's stage spans (Chrome trace JSON) at exit")
     b = sub.add_parser("bench", help="benchmarks: python -m pipeline bench SCENARIO --help")
     from pipeline.bench import add_bench_arguments, run_bench
 
     add_bench_arguments(b)
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.ray:
+        from pipeline.ray_launch import serve_on_ray
+
+        return serve_on_ray(args, _config(args))
     if args.command == "serve":
         asyncio.run(serve(args))
         _exit_without_waiting_for_threads()

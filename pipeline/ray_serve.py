@@ -162,9 +162,6 @@ class PipelineReplica:
             with contextlib.suppress(BaseException):
                 await writer
 
-    def health(self) -> dict[str, Any]:
-        return {"replica": self.name, **self.pipe.health()}
-
 
 def _to_response(reply: Reply) -> Response:
     return Response(reply.body, status_code=reply.status, headers=reply.headers)
@@ -301,14 +298,16 @@ class Ingress:
                 async with asyncio.timeout(FAN_OUT_TIMEOUT_S):
                     status, _ = await answer.__anext__()
                     return status, await answer.__anext__()
-            except (TimeoutError, *_REPLICA_GONE):
+            except (TimeoutError, *_REPLICA_GONE) as exc:
+                logger.warning("replica %s did not answer %s %s: %r", replica, method, path, exc)
                 return None
             finally:
                 answer.cancel()
 
-        ids = self._replica_ids()
-        answers = await asyncio.gather(*(ask(r) for r in ids))
-        return {r.rsplit("#", 1)[1]: a for r, a in zip(ids, answers, strict=True)}
+        # One after another: calls made for one HTTP request share its Serve request id, and Serve's
+        # router matches concurrent ones to replicas by that id (seen with Ray 2.60: each then waits
+        # for the other's replica).
+        return {r.rsplit("#", 1)[1]: await ask(r) for r in self._replica_ids()}
 
     async def _health(self) -> Response:
         """200 while at least one replica can take requests; every replica's own answer within."""
