@@ -66,8 +66,13 @@ def _prompt_prefix(doc: dict[str, Any]) -> str:
     if isinstance(messages, list):
         prefix = "".join(f"{m.get('role', '')}:{_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
     else:
-        prompt = doc.get("prompt")
-        prefix = prompt if isinstance(prompt, str) else msgspec.json.encode(prompt).decode()
+        prompt = doc.get("prompt")  # /v1/completions: text, token ids, or a list of either
+        if isinstance(prompt, str):
+            prefix = prompt
+        elif isinstance(prompt, list) and prompt:
+            prefix = msgspec.json.encode(prompt).decode()
+        else:
+            prefix = ""
     return prefix[:PREFIX_CHARS]
 
 
