@@ -8,9 +8,9 @@ of replicas, and Serve takes the least loaded replica of the first rank that has
   on a consistent-hash ring of the running replicas, unless that replica is busy: full, or more
   than ``busy_slack`` requests above the least loaded replica Serve knows of. Then comes the
   power-of-two-choices rank, which is all a request without a key gets.
-- A request with ``replica`` (a replica's full id) goes to that replica only: the ingress asks
-  every replica for its health and metrics this way. One that is gone gets no rank, and the caller's
-  deadline ends the wait.
+- A request with ``replica`` (a replica's full id) goes to that replica: the ingress asks every
+  replica for its health and metrics this way. While that replica is not running (starting, or
+  gone) the request goes anywhere, and the answer's ``X-Replica`` tells the caller so.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class AffinityRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         target = kwargs.get("replica")
-        if target is not None:
-            return [[by_id[target]]] if target in by_id else []
+        if target in by_id:
+            return [[by_id[target]]]
+        # A target not running (yet) is routed like any request: the caller sees another replica
+        # answered. Returning no rank would leave the request waiting in Serve's router.
         ranks = []
         key = kwargs.get("routing_key")
         if key:

@@ -34,7 +34,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import Counter as PromCounter
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -201,7 +202,17 @@ class Ingress:
     ) -> None:
         self.replicas = replicas
         self.api_key, self.protect_all, self.max_body_bytes = api_key, protect_all, max_body_bytes
-        self.app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        self.app_name, self.name = context.app_name, context.replica_id.unique_id
+        self.registry = CollectorRegistry()
+        self.replica_losses = PromCounter(
+            "pipeline_ingress_replica_losses",
+            "replicas lost while they held a request, by what became of it",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("retried", "failed", "failed_mid_stream"):
+            self.replica_losses.labels(outcome)
         from pipeline.openapi import openapi_document
 
         self._openapi = json_reply(openapi_document())
@@ -251,7 +262,9 @@ class Ingress:
                 answer.cancel()
                 if attempt == 1:  # nothing has left yet: another replica may answer it whole
                     logger.warning("replica lost before answering %s %s (%s); retrying once", method, path, exc)
+                    self.replica_losses.labels("retried").inc()
                     continue
+                self.replica_losses.labels("failed").inc()
                 return _error(ReplicaFailed(f"the replica serving the request failed twice ({type(exc).__name__})"))
             except BackPressureError as exc:
                 answer.cancel()
@@ -270,14 +283,14 @@ class Ingress:
             return StreamingResponse(self._relay(first, answer), status_code=status, headers=headers)
         raise AssertionError("unreachable")
 
-    @staticmethod
-    async def _relay(first: bytes, answer: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    async def _relay(self, first: bytes, answer: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         try:
             yield first
             async for chunk in answer:
                 yield chunk
         except _REPLICA_GONE as exc:
             logger.warning("replica lost mid-stream (%s)", exc)
+            self.replica_losses.labels("failed_mid_stream").inc()
             error = ReplicaFailed(f"the replica serving the request failed mid-stream ({type(exc).__name__})")
             yield event({"error": error.to_dict()})  # headers are gone: in-band, as OpenAI does
             yield DONE
@@ -291,18 +304,22 @@ class Ingress:
         names = ray.util.list_named_actors(all_namespaces=True)
         return sorted(a["name"] for a in names if a["name"].startswith(prefix))
 
-    async def _ask_each(self, method: str, path: str) -> dict[str, tuple[int, bytes] | None]:
-        async def ask(replica: str) -> tuple[int, bytes] | None:
+    async def _ask_each(self, method: str, path: str) -> dict[str, tuple[int, bytes] | str]:
+        """Each replica's answer (status, body), or why there is none: "starting" or "unreachable"."""
+
+        async def ask(replica: str) -> tuple[int, bytes] | str:
             answer = self._call(method, path, b"", replica=replica)
             try:
                 async with asyncio.timeout(FAN_OUT_TIMEOUT_S):
-                    status, _ = await answer.__anext__()
-                    return status, await answer.__anext__()
+                    status, headers = await answer.__anext__()
+                    body = await answer.__anext__()
             except (TimeoutError, *_REPLICA_GONE) as exc:
                 logger.warning("replica %s did not answer %s %s: %r", replica, method, path, exc)
-                return None
+                return "unreachable"
             finally:
                 answer.cancel()
+            # another replica answered: this one is not running yet (or no longer)
+            return (status, body) if replica.endswith("#" + headers.get("X-Replica", "")) else "starting"
 
         # One after another: calls made for one HTTP request share its Serve request id, and Serve's
         # router matches concurrent ones to replicas by that id (seen with Ray 2.60: each then waits
@@ -313,14 +330,15 @@ class Ingress:
         """200 while at least one replica can take requests; every replica's own answer within."""
         replicas: dict[str, Any] = {}
         for name, answer in (await self._ask_each("GET", "/health")).items():
-            replicas[name] = json.loads(answer[1]) if answer is not None else {"status": "unreachable"}
+            replicas[name] = json.loads(answer[1]) if isinstance(answer, tuple) else {"status": answer}
         ok = any(r.get("status") == "ok" for r in replicas.values())
         return _to_response(
             json_reply({"status": "ok" if ok else "unavailable", "replicas": replicas}, 200 if ok else 503)
         )
 
     async def _metrics(self) -> Response:
-        parts = {name: a[1] for name, a in (await self._ask_each("GET", "/metrics")).items() if a is not None}
+        parts = {name: a[1] for name, a in (await self._ask_each("GET", "/metrics")).items() if isinstance(a, tuple)}
+        parts[f"ingress:{self.name}"] = generate_latest(self.registry)  # this ingress's own counters
         return Response(merge_expositions(parts), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

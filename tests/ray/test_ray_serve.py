@@ -176,6 +176,15 @@ def test_same_image_goes_to_the_same_replica_and_hits_its_cache(base_url: str, c
     assert {r: n for r, n in gained.items() if n} == dict(per_replica)  # each second send hit its replica's cache
 
 
+def _ingress_losses(base_url: str) -> dict[str, float]:
+    losses: dict[str, float] = {}
+    for family in text_string_to_metric_families(_get_text(base_url + "/metrics")):
+        for s in family.samples:
+            if s.name == "pipeline_ingress_replica_losses_total":
+                losses[s.labels["outcome"]] = losses.get(s.labels["outcome"], 0) + s.value
+    return losses
+
+
 def test_health_reports_every_replica(base_url: str) -> None:
     health = json.loads(_get_text(base_url + "/health"))
     assert health["status"] == "ok"
@@ -262,9 +271,13 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
     # whole answers never left the killed replica: retried on the survivor, all complete
     assert [w["status"] for w in wholes] == [200] * 6
     assert all(w["replica"] != victim_name for w in wholes)
+    losses = _ingress_losses(base_url)
+    assert losses["failed_mid_stream"] == len(on_victim)
+    assert losses["failed"] == 0  # a retried request never met a second lost replica
     print(
         f"accounting: {submitted} submitted; streams: {len(survivors)} completed, {len(on_victim)} ended with an "
-        f"in-band replica_failed; whole answers: {len(wholes)} completed (retried where needed); 0 lost"
+        f"in-band replica_failed; whole answers: {len(wholes)} completed, {losses['retried']:.0f} of them retried "
+        "after the kill; 0 lost"
     )
 
     # Serve replaces the replica; the application answers from both again
@@ -274,6 +287,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
             if len(replicas) == 2 and victim not in replicas:
                 break
             await anyio.sleep(0.5)  # noqa: sleep-ok: polls Ray's actor list; it gives no event
-    async with aiohttp.ClientSession() as session:
-        result = await _whole(session, base_url, 999)
+    with anyio.fail_after(60):
+        async with aiohttp.ClientSession() as session:
+            result = await _whole(session, base_url, 999)
     assert result["status"] == 200
