@@ -22,6 +22,7 @@ SCENARIOS = {
     "overload": "overload",
     "ahead": "ahead",
     "cache": "cache",
+    "scale": "scale",
 }
 
 
