@@ -16,6 +16,7 @@ of replicas, and Serve takes the least loaded replica of the first rank that has
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -25,13 +26,13 @@ __all__ = ["AffinityRouter"]
 
 
 class AffinityRouter(RequestRouter):
-    def initialize_state(self, busy_slack: int = 4, **kwargs: object) -> None:
+    def initialize_state(self, busy_slack: int = 4, **kwargs: object) -> None:  # Serve passes request_router_kwargs
         self.busy_slack = busy_slack
         self._ring = HashRing(())
         self._ring_members: frozenset[str] = frozenset()
 
-    def _ring_of(self, replicas: list[RunningReplica]) -> HashRing:
-        members = frozenset(r.replica_id.to_full_id_str() for r in replicas)
+    def _ring_of(self, replica_ids: Iterable[str]) -> HashRing:
+        members = frozenset(replica_ids)
         if members != self._ring_members:  # rebuilt only when replicas come or go
             self._ring, self._ring_members = HashRing(members), members
         return self._ring
@@ -67,7 +68,7 @@ class AffinityRouter(RequestRouter):
         ranks = []
         key = kwargs.get("routing_key")
         if key:
-            owner = by_id[self._ring_of(candidate_replicas).node(key)]
+            owner = by_id[self._ring_of(by_id).node(key)]
             if not self._busy(owner, candidate_replicas):
                 ranks.append([owner])
         ranks.append(self._two_choices(candidate_replicas))

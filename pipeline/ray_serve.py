@@ -59,7 +59,7 @@ from pipeline.replica_metrics import merge_expositions
 from pipeline.replies import DONE, Reply, StreamReply, error_reply, event, json_reply
 from pipeline.server_auth import api_key_refusal
 
-__all__ = ["APP_NAME", "Ingress", "PipelineReplica", "app", "build", "build_app"]
+__all__ = ["APP_NAME", "Ingress", "PipelineReplica", "app", "build", "build_app", "replica_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,16 +120,18 @@ class PipelineReplica:
         (``routing_key`` and ``replica`` are read by the router on the way here.)"""
         call = self.api.route(method, path)
         reply = await call(body) if call is not None else error_reply(RouteNotFound(f"no route {method} {path}"))
-        if isinstance(reply, Reply):
-            yield reply.status, {**reply.headers, "X-Replica": self.name}
-            yield reply.body
-            return
-        async for part in self._stream(reply):
+        parts = self._stream(reply) if isinstance(reply, StreamReply) else self._whole(reply)
+        async for part in parts:
             yield part
+
+    async def _whole(self, reply: Reply) -> AsyncIterator[Head | bytes]:
+        yield reply.status, {**reply.headers, "X-Replica": self.name}
+        yield reply.body
 
     async def _stream(self, reply: StreamReply) -> AsyncIterator[Head | bytes]:
         """A ``StreamReply`` as chunks: its head waits for the first event, so an error before it is
-        still a plain 4xx. Bounded: a slow reader slows the writer."""
+        still a plain 4xx. Bounded: a slow reader slows the writer. Any other exception is raised
+        here, and the ingress answers it (a 500 before the first event)."""
         chunks: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
 
         async def write() -> None:
@@ -144,12 +146,9 @@ class PipelineReplica:
         writer = asyncio.create_task(write())
         try:
             item = await chunks.get()
-            if isinstance(item, BaseException) and not isinstance(item, PipelineError):
-                raise item  # a bug: the ingress answers 500
             if isinstance(item, PipelineError):  # raised before the first event
-                error = error_reply(item)
-                yield error.status, {**error.headers, "X-Replica": self.name}
-                yield error.body
+                async for part in self._whole(error_reply(item)):
+                    yield part
                 return
             yield 200, {**reply.headers, "X-Replica": self.name}
             while item is not _END:
@@ -162,6 +161,14 @@ class PipelineReplica:
                 writer.cancel()
             with contextlib.suppress(BaseException):
                 await writer
+
+
+def replica_ids(app_name: str = APP_NAME) -> list[str]:
+    """The full ids of the application's pipeline replicas alive now: Serve names each replica's
+    actor by its id (``SERVE_REPLICA::app#PipelineReplica#id``); a starting one is listed too."""
+    prefix = f"SERVE_REPLICA::{app_name}#{REPLICA_DEPLOYMENT}#"
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"] for a in names if a["name"].startswith(prefix))
 
 
 def _to_response(reply: Reply) -> Response:
@@ -252,12 +259,17 @@ class Ingress:
         assert isinstance(answer, DeploymentResponseGenerator)
         return answer
 
+    @staticmethod
+    async def _head(answer: DeploymentResponseGenerator) -> tuple[int, dict[str, str], bytes]:
+        """A replica's status, headers and first body chunk (a whole answer's only one)."""
+        status, headers = await answer.__anext__()
+        return status, headers, await answer.__anext__()
+
     async def _forward(self, method: str, path: str, body: bytes, key: str | None) -> Response:
         for attempt in (1, 2):
             answer = self._call(method, path, body, routing_key=key)
             try:
-                status, headers = await answer.__anext__()
-                first = await answer.__anext__()
+                status, headers, first = await self._head(answer)
             except _REPLICA_GONE as exc:
                 answer.cancel()
                 if attempt == 1:  # nothing has left yet: another replica may answer it whole
@@ -298,12 +310,6 @@ class Ingress:
             answer.cancel()  # a client that went away cancels the replica's request
 
     # -- every replica ---------------------------------------------------------------------------
-    def _replica_ids(self) -> list[str]:
-        """The full ids of this application's replicas alive now (their actors are named by id)."""
-        prefix = f"SERVE_REPLICA::{self.app_name}#{REPLICA_DEPLOYMENT}#"
-        names = ray.util.list_named_actors(all_namespaces=True)
-        return sorted(a["name"] for a in names if a["name"].startswith(prefix))
-
     async def _ask_each(self, method: str, path: str) -> dict[str, tuple[int, bytes] | str]:
         """Each replica's answer (status, body), or why there is none: "starting" or "unreachable"."""
 
@@ -311,8 +317,7 @@ class Ingress:
             answer = self._call(method, path, b"", replica=replica)
             try:
                 async with asyncio.timeout(FAN_OUT_TIMEOUT_S):
-                    status, headers = await answer.__anext__()
-                    body = await answer.__anext__()
+                    status, headers, body = await self._head(answer)
             except (TimeoutError, *_REPLICA_GONE) as exc:
                 logger.warning("replica %s did not answer %s %s: %r", replica, method, path, exc)
                 return "unreachable"
@@ -324,7 +329,7 @@ class Ingress:
         # One after another: calls made for one HTTP request share its Serve request id, and Serve's
         # router matches concurrent ones to replicas by that id (seen with Ray 2.60: each then waits
         # for the other's replica).
-        return {r.rsplit("#", 1)[1]: await ask(r) for r in self._replica_ids()}
+        return {r.rsplit("#", 1)[1]: await ask(r) for r in replica_ids(self.app_name)}
 
     async def _health(self) -> Response:
         """200 while at least one replica can take requests; every replica's own answer within."""

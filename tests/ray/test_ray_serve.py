@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from pipeline.ray_serve import APP_NAME, build_app  # noqa: E402  (needs ray)
+from pipeline.ray_serve import APP_NAME, build_app, replica_ids  # noqa: E402  (needs ray)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -65,11 +65,6 @@ def base_url() -> Iterator[str]:
 @pytest.fixture
 def client(base_url: str) -> Any:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _replica_ids() -> list[str]:
-    prefix = f"SERVE_REPLICA::{APP_NAME}#PipelineReplica#"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
 
 
 def test_plain_and_streamed_chat(client: Any) -> None:
@@ -150,14 +145,18 @@ def _get_text(url: str) -> str:
         return resp.read().decode()
 
 
-def _encoder_hits(base_url: str) -> dict[str, float]:
-    text = _get_text(base_url + "/metrics")
-    hits: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+def _metric(base_url: str, sample: str, by: str, **where: str) -> dict[str, float]:
+    """``sample``'s values in the merged /metrics, summed by label ``by``, among samples with labels ``where``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(_get_text(base_url + "/metrics")):
         for s in family.samples:
-            if s.name == "pipeline_cache_hits_total" and s.labels.get("cache") == "encoder":
-                hits[s.labels["replica"]] = s.value
-    return hits
+            if s.name == sample and all(s.labels.get(k) == v for k, v in where.items()):
+                out[s.labels[by]] = out.get(s.labels[by], 0) + s.value
+    return out
+
+
+def _encoder_hits(base_url: str) -> dict[str, float]:
+    return _metric(base_url, "pipeline_cache_hits_total", "replica", cache="encoder")
 
 
 def test_same_image_goes_to_the_same_replica_and_hits_its_cache(base_url: str, client: Any) -> None:
@@ -177,18 +176,13 @@ def test_same_image_goes_to_the_same_replica_and_hits_its_cache(base_url: str, c
 
 
 def _ingress_losses(base_url: str) -> dict[str, float]:
-    losses: dict[str, float] = {}
-    for family in text_string_to_metric_families(_get_text(base_url + "/metrics")):
-        for s in family.samples:
-            if s.name == "pipeline_ingress_replica_losses_total":
-                losses[s.labels["outcome"]] = losses.get(s.labels["outcome"], 0) + s.value
-    return losses
+    return _metric(base_url, "pipeline_ingress_replica_losses_total", "outcome")
 
 
 def test_health_reports_every_replica(base_url: str) -> None:
     health = json.loads(_get_text(base_url + "/health"))
     assert health["status"] == "ok"
-    assert sorted(health["replicas"]) == sorted(r.rsplit("#", 1)[1] for r in _replica_ids())
+    assert sorted(health["replicas"]) == sorted(r.rsplit("#", 1)[1] for r in replica_ids())
     assert all(r["status"] == "ok" for r in health["replicas"].values())
 
 
@@ -235,7 +229,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
     """Streams that had begun on the killed replica end with an in-band replica_failed; whole answers
     it held are retried on the other replica; the other replica's requests are untouched; Serve
     brings a new replica up, which answers."""
-    assert len(_replica_ids()) == 2
+    assert len(replica_ids()) == 2
     streams: list[dict[str, Any]] = [{} for _ in range(6)]
     wholes: list[dict[str, Any]] = []
     with anyio.fail_after(240):
@@ -257,7 +251,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
                     await event.wait()
                 # the replica streaming the most: the kill surely cuts streams that had begun
                 victim_name = Counter(s["replica"] for s in streams).most_common(1)[0][0]
-                victim = next(r for r in _replica_ids() if r.endswith("#" + victim_name))
+                victim = next(r for r in replica_ids() if r.endswith("#" + victim_name))
                 ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
     submitted = len(streams) + len(wholes)
@@ -283,7 +277,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
     # Serve replaces the replica; the application answers from both again
     with anyio.fail_after(120):
         while True:
-            replicas = _replica_ids()
+            replicas = replica_ids()
             if len(replicas) == 2 and victim not in replicas:
                 break
             await anyio.sleep(0.5)  # noqa: sleep-ok: polls Ray's actor list; it gives no event
