@@ -189,6 +189,11 @@ class Preparation:
         if self.pool is not None:
             self.pool.warm()
 
+    async def start_workers(self) -> None:
+        """Start the preparation workers and wait until they are ready (a no-op in thread mode)."""
+        if self.pool is not None:
+            await self.pool.start_all()
+
     def admit(self, job: Job[PreparedRequest]) -> None:
         """Put ``job`` into the first stage and start its grammar compile beside the stages.
 

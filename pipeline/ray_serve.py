@@ -96,7 +96,9 @@ class PipelineReplica:
         from pipeline.pipeline import Pipeline
 
         async with Pipeline(config) as pipe:
-            pipe.preparation.warm()
+            # Serve routes to a replica once its constructor returns: by then its workers are up,
+            # so a replacement does not make its first requests wait for them
+            await pipe.preparation.start_workers()
             self.pipe, self.api = pipe, Api(pipe)
             ready.set()
             await self._stop.wait()

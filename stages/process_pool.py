@@ -94,6 +94,14 @@ class _Worker:
         await anyio.wait_readable(self.conn.fileno())
         return self.conn.recv()
 
+    async def receive_slab(self) -> Slab:
+        """The output slab whose descriptor the worker sends next. Waits until it is there: under
+        uvloop (Ray Serve's replicas) the pipe is non-blocking once polled, and a read that comes
+        before the descriptor fails with EAGAIN."""
+        assert self.conn is not None
+        await anyio.wait_readable(self.conn.fileno())
+        return Slab.attach(recv_handle(self.conn))
+
     async def start(self, start_timeout_s: float) -> None:
         """Start the process and wait until it has loaded its model parts."""
         ctx = multiprocessing.get_context("spawn")
@@ -113,7 +121,7 @@ class _Worker:
                 message = await self.receive()
             if message[0] != "ready":
                 raise WorkerCrashed(f"a preparation worker could not start: {message[1]}", stage="decode")
-            self.outbox = Slab.attach(recv_handle(parent))
+            self.outbox = await self.receive_slab()
         except (EOFError, OSError) as exc:  # it died while starting
             self.stop(kill=True)
             raise WorkerCrashed(f"a preparation worker died while starting ({exc!r})", stage="decode") from None
@@ -190,6 +198,13 @@ class ImagePool:
         for worker in self._workers:
             self._restart_soon(worker)
 
+    async def start_all(self) -> None:
+        """Start every worker now; returns when each has started (or failed to: that one is logged,
+        and the next job that needs it tries again)."""
+        async with anyio.create_task_group() as tg:
+            for worker in self._workers:
+                tg.start_soon(self._ensure_started, worker)
+
     async def run(self, data: bytes, *, field: str) -> PreparedImage:
         """Decode and preprocess (and encode, per the spec) one image in a worker.
 
@@ -239,7 +254,7 @@ class ImagePool:
         assert worker.conn is not None and worker.outbox is not None
         if reply.new_slab:
             worker.outbox.close()
-            worker.outbox = Slab.attach(recv_handle(worker.conn))
+            worker.outbox = await worker.receive_slab()
         self.stats.cpu_seconds += reply.cpu_s
         nbytes = torch.Size(reply.shape).numel() * reply.dtype.itemsize
         if nbytes > _COPY_IN_THREAD_BYTES:

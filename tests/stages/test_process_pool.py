@@ -7,6 +7,7 @@ import signal
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +234,19 @@ async def test_workers_die_with_the_serving_process(checkpoint: Checkpoint) -> N
 
 def png_bytes(width: int, height: int, *, seed: int) -> bytes:
     return encode(make_image(width, height, seed=seed))
+
+
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
+async def test_the_pool_runs_on_uvloop(checkpoint: Checkpoint, pool_factory: Any) -> None:
+    """uvloop (Ray Serve's replicas run on it) makes every fd it polls non-blocking: a descriptor
+    read right after the message that announced it would find nothing yet (EAGAIN) unless the
+    pool waits for it. Starting workers and a bigger output slab are the two such reads."""
+    pools = [pool_factory(_spec(checkpoint, task=SCRIPTED), size=2) for _ in range(3)]
+    with anyio.fail_after(120):
+        for pool in pools:
+            async with anyio.create_task_group() as tg:
+                for _ in range(2):  # both workers start
+                    tg.start_soon(partial(pool.run, b"echo", field="f"))
+            big = await pool.run(b"big", field="f")
+            assert big.embeds is not None and big.embeds.numel() == 4 * 1024 * 1024
+    assert [pool.stats.crashes for pool in pools] == [0, 0, 0]
