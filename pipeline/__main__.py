@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.ray:
         from pipeline.ray_launch import serve_on_ray
 
-        return serve_on_ray(args, _config(args))
+        return serve_on_ray(args, _config(args), _send_demo if args.demo or args.once else None)
     if args.command == "serve":
         asyncio.run(serve(args))
         _exit_without_waiting_for_threads()

@@ -14,13 +14,12 @@ from functools import partial
 from typing import Any
 
 import anyio
-import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline.completions_api import answer_completions
 from pipeline.errors import PipelineError
 from pipeline.handle import RequestHandle, Result
-from pipeline.openapi import openapi_document
+from pipeline.openapi import openapi_json
 from pipeline.pipeline import Pipeline
 from pipeline.protocol import ChatCompletion, ChatCompletionChunk, ChunkChoice, Delta, Model, ModelList, Usage
 from pipeline.replies import DONE, Reply, Send, StreamReply, error_reply, event, json_reply
@@ -43,7 +42,6 @@ def usage(result: Result) -> Usage:
 
 
 Call = Callable[[bytes], Awaitable[Reply | StreamReply]]
-_OPENAPI = msgspec.json.encode(openapi_document())
 
 
 class Api:
@@ -167,4 +165,4 @@ class Api:
         return Reply(200, generate_latest(self.pipe.metrics.registry), {"Content-Type": CONTENT_TYPE_LATEST})
 
     def openapi(self) -> Reply:
-        return Reply(200, _OPENAPI)
+        return Reply(200, openapi_json())

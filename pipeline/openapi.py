@@ -7,6 +7,7 @@ registers its handlers against it, so a route without its types cannot be served
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from pipeline.protocol import (
     ModelList,
 )
 
-__all__ = ["ROUTES", "Route", "openapi_document"]
+__all__ = ["ROUTES", "Route", "openapi_document", "openapi_json"]
 
 _REF = "#/components/schemas/{name}"
 _ERRORS = {
@@ -112,3 +113,9 @@ def openapi_document(title: str = "vlm-pipeline", version: str = "0.1.0") -> dic
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+@functools.cache
+def openapi_json() -> bytes:
+    """The document as served (``GET /openapi.json``), encoded once."""
+    return msgspec.json.encode(openapi_document())

@@ -4,16 +4,24 @@ take it down on SIGINT/SIGTERM (requests in flight finish first, within ``--shut
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from pipeline.config import PipelineConfig
 
 __all__ = ["serve_on_ray"]
 
 
-def serve_on_ray(args: argparse.Namespace, config: PipelineConfig) -> int:
+def serve_on_ray(
+    args: argparse.Namespace,
+    config: PipelineConfig,
+    send_demo: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+) -> int:
+    """Serve until SIGINT/SIGTERM; ``send_demo(port)`` runs once the application is up (``--demo``, ``--once``)."""
     import ray
     from ray import serve
 
@@ -41,12 +49,8 @@ def serve_on_ray(args: argparse.Namespace, config: PipelineConfig) -> int:
         print(f"starting {args.replicas} replicas on Ray ...", flush=True)
         serve.run(app, name=APP_NAME, route_prefix="/")
         print(f"serving on http://{args.host}:{args.port} with {args.replicas} Ray Serve replicas", flush=True)
-        if args.demo or args.once:
-            import asyncio
-
-            from pipeline.__main__ import _send_demo
-
-            asyncio.run(_send_demo(args.port))
+        if send_demo is not None:
+            asyncio.run(send_demo(args.port))
         if not args.once:
             stop.wait()
             print("shutting down: no new requests; finishing those in flight", flush=True)

@@ -54,7 +54,7 @@ from pipeline.errors import (
     ReplicaFailed,
     RouteNotFound,
 )
-from pipeline.openapi import ROUTES
+from pipeline.openapi import ROUTES, openapi_json
 from pipeline.replica_metrics import merge_expositions
 from pipeline.replies import DONE, Reply, StreamReply, error_reply, event, json_reply
 from pipeline.server_auth import api_key_refusal
@@ -222,9 +222,6 @@ class Ingress:
         )
         for outcome in ("retried", "failed", "failed_mid_stream"):
             self.replica_losses.labels(outcome)
-        from pipeline.openapi import openapi_document
-
-        self._openapi = json_reply(openapi_document())
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -243,7 +240,7 @@ class Ingress:
             response.headers["Allow"] = allowed
             return response
         if path == "/openapi.json":
-            return _to_response(self._openapi)
+            return _to_response(Reply(200, openapi_json()))
         if path == "/health":
             return await self._health()
         if path == "/metrics":
