@@ -8,7 +8,7 @@ from pipeline.config import PipelineConfig
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
-    from pipeline.pipeline import Pipeline
+    from pipeline.core.pipeline import Pipeline
 
 __all__ = ["Pipeline", "PipelineConfig", "PipelineError"]
 
@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
     # Pipeline pulls in torch and every stage; the stages themselves import pipeline.config and
     # pipeline.errors, so importing it eagerly here would be circular.
     if name == "Pipeline":
-        from pipeline.pipeline import Pipeline
+        from pipeline.core.pipeline import Pipeline
 
         return Pipeline
     raise AttributeError(name)

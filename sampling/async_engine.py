@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.types import Mailbox
+from pipeline.outcome import Mailbox
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 

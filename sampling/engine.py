@@ -88,7 +88,7 @@ class LLMEngine:
         self.record_timeline = record_timeline
         self.lazy_mask = True  # skip the mask for greedy rows whose choice the grammar allows (exact)
         self.timeline: list[StepTiming] = []
-        self.tracer = tracer  # anything with pipeline.trace.Tracer's span(): one span per step
+        self.tracer = tracer  # anything with pipeline.observability.trace.Tracer's span(): one span per step
         # the decode loop one step ahead (sampling/ahead.py); None: the synchronous loop
         self.ahead = OneStepAhead(self) if one_step_ahead else None
 

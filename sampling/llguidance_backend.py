@@ -27,7 +27,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from pipeline.types import GrammarError, UnsupportedSchemaError
+from pipeline.errors import GrammarError, UnsupportedSchemaError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -1,5 +1,5 @@
 """The request-preparation stages, one module each: fetch, decode, template, vision_encode, grammar.
 
 A stage is a small object with its own limits and a ``run``/``compile`` coroutine; it knows nothing
-about streams or other stages (``pipeline/staged.py`` wires them).
+about streams or other stages (``pipeline/core/staged.py`` wires them).
 """

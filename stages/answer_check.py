@@ -38,7 +38,8 @@ from typing import Any, Protocol
 import jsonschema_rs
 import xgrammar as xgr
 
-from pipeline.types import GrammarError, GrammarSpec
+from pipeline.errors import GrammarError
+from pipeline.types import GrammarSpec
 
 __all__ = ["AnswerCheck", "JsonCheck", "MatchCheck", "Violation", "build_answer_check", "xgrammar_acceptor"]
 

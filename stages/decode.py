@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from pipeline.types import PipelineError
+from pipeline.errors import PipelineError
 from stages.offload import Offload
 from stages.process_pool import ImagePool
 from vision.image_io import check_scalable, decode_image

@@ -20,7 +20,7 @@ import aiohttp
 import anyio
 from yarl import URL
 
-from pipeline.types import DeadlineExceeded, ImageFetchError, PayloadTooLarge
+from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge
 from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, Resolver, SystemResolver
 
 __all__ = ["FetchStage"]

@@ -27,14 +27,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from pipeline.types import (
-    DeadlineExceeded,
-    GrammarError,
-    GrammarSpec,
-    Outcome,
-    PipelineError,
-    UnsupportedSchemaError,
-)
+from pipeline.errors import DeadlineExceeded, GrammarError, PipelineError, UnsupportedSchemaError
+from pipeline.outcome import Outcome
+from pipeline.types import GrammarSpec
 from stages.answer_check import AnswerCheck
 from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar_dispatch import LLGUIDANCE_KINDS, choose_backend

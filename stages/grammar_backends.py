@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from pipeline.types import GrammarError, GrammarSpec, PipelineError, UnsupportedSchemaError
+from pipeline.errors import GrammarError, PipelineError, UnsupportedSchemaError
+from pipeline.types import GrammarSpec
 from sampling.llguidance_backend import LLGrammar, LLGuidanceBackend, close_schema
 from stages.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
 from stages.schema_support import check_schema_support

@@ -38,7 +38,7 @@ import anyio.lowlevel
 import torch
 from anyio.abc import TaskGroup
 
-from pipeline.types import (
+from pipeline.errors import (
     DeadlineExceeded,
     ImageDecodeError,
     InvalidRequest,

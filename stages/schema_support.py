@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.types import UnsupportedSchemaError
+from pipeline.errors import UnsupportedSchemaError
 
 __all__ = ["IGNORED_FORMATS", "IGNORED_KEYWORDS", "check_schema_support", "find_unholdable", "find_unsupported"]
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import anyio
 
-from pipeline.types import ImagePart, InvalidRequest, Message, PromptTooLong
+from pipeline.errors import InvalidRequest, PromptTooLong
+from pipeline.types import ImagePart, Message
 from stages.offload import Offload
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 

@@ -16,7 +16,8 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.types import Outcome, PipelineError
+from pipeline.errors import PipelineError
+from pipeline.outcome import Outcome
 from stages.offload import Offload
 from vision.encoder import VisionEncoder
 from vision.preprocess import PreparedImage

@@ -7,7 +7,7 @@ import io
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from pipeline.types import ImageDecodeError, PayloadTooLarge
+from pipeline.errors import ImageDecodeError, PayloadTooLarge
 
 __all__ = ["SUPPORTED_FORMATS", "check_scalable", "decode_image", "draft_size"]
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.types import PipelineError
+from pipeline.errors import PipelineError
 from vision.slab import Slab
 
 __all__ = ["ImageReply", "ImageTask", "ImageWorkerSpec", "worker_main"]

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from pipeline.bench.common import load_average, machine, median, print_table, tracer_for, write_outputs
 from pipeline.bench.guided import guided_schema
 from pipeline.config import PipelineConfig, default_cache_dir
-from pipeline.engine_factory import build_llm_engine
+from pipeline.core.engine_factory import build_llm_engine
 from sampling.engine import LLMEngine, StepTiming
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from pipeline.bench.common import jpeg_data_url, load_average, machine, median, print_table, tracer_for, write_outputs
 from pipeline.config import PipelineConfig
-from pipeline.pipeline import Pipeline
+from pipeline.core.pipeline import Pipeline
 
 __all__ = ["add_arguments", "run"]
 

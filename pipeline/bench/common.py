@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pipeline.trace import Tracer
+from pipeline.observability.trace import Tracer
 
 __all__ = [
     "ImageServer",

@@ -30,7 +30,7 @@ from pipeline.bench.common import (
     write_outputs,
 )
 from pipeline.config import PipelineConfig
-from pipeline.pipeline import Pipeline
+from pipeline.core.pipeline import Pipeline
 from pipeline.types import GrammarSpec
 
 __all__ = ["add_arguments", "run", "schema"]

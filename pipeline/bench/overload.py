@@ -16,9 +16,9 @@ from tqdm import tqdm
 
 from pipeline.bench.common import jpeg_bytes, jpeg_data_url, machine, print_table, tracer_for, write_outputs
 from pipeline.config import PipelineConfig
+from pipeline.core.handle import RequestHandle
+from pipeline.core.pipeline import Pipeline
 from pipeline.errors import Overloaded, PipelineError, RequestCancelled
-from pipeline.handle import RequestHandle
-from pipeline.pipeline import Pipeline
 
 __all__ = ["add_arguments", "run"]
 

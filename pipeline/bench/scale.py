@@ -1,6 +1,6 @@
 """scale: requests/s and CPU-seconds per request with 1 and 2 Ray Serve replicas.
 
-A local Ray cluster with one CPU per replica runs the Serve application (``pipeline.ray_serve``);
+A local Ray cluster with one CPU per replica runs the Serve application (``pipeline.scaleout.ray_serve``);
 clients send image requests (a distinct 512x384 JPEG each, ``max_tokens`` tokens) through Ray's
 HTTP proxy, a fixed number at a time. CPU is read from ``/proc`` for every process of the cluster
 and split by role: Ray's HTTP proxy, the ingress, the replicas, and the rest (GCS, raylet, Serve's
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from pipeline.ray_serve import APP_NAME, build_app
+    from pipeline.scaleout.ray_serve import APP_NAME, build_app
 
     counts = [int(n) for n in args.replicas.split(",")]
     ray.init(num_cpus=max(counts), include_dashboard=False, log_to_driver=False)

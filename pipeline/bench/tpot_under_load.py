@@ -27,7 +27,7 @@ from pipeline.bench.common import (
     write_outputs,
 )
 from pipeline.config import PipelineConfig
-from pipeline.pipeline import Pipeline
+from pipeline.core.pipeline import Pipeline
 
 __all__ = ["add_arguments", "run"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import bench
-from pipeline.__main__ import main
+from pipeline.cli import main
 
 
 def test_every_scenario_parses_its_help(capsys: pytest.CaptureFixture[str]) -> None:

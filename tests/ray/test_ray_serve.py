@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import Pipeline, PipelineConfig
-from pipeline.server import create_app
+from pipeline.api.server import create_app
 from tests.images import data_url, encode, image_request, make_image
 from tests.servers import serving
 
@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from pipeline.ray_serve import APP_NAME, build_app, replica_ids  # noqa: E402  (needs ray)
+from pipeline.scaleout.ray_serve import APP_NAME, build_app, replica_ids  # noqa: E402  (needs ray)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

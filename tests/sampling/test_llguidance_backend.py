@@ -13,7 +13,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from pipeline.types import GrammarError, UnsupportedSchemaError
+from pipeline.errors import GrammarError, UnsupportedSchemaError
 from sampling.llguidance_backend import (
     BitmaskFiller,
     LLGrammar,

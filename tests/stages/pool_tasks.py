@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.types import ImageDecodeError
+from pipeline.errors import ImageDecodeError
 
 __all__ = ["crash_on_width_48", "scripted"]
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
-from pipeline.types import GrammarError, GrammarSpec
+from pipeline.errors import GrammarError
+from pipeline.types import GrammarSpec
 from stages.answer_check import AnswerCheck, Violation, build_answer_check, xgrammar_acceptor
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "jsonschemabench"

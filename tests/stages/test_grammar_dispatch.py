@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.types import GrammarError, GrammarSpec
+from pipeline.errors import GrammarError
+from pipeline.types import GrammarSpec
 from stages.grammar_dispatch import MAX_XGRAMMAR_NODES, ROWS, choose_backend
 from tests.grammars import accepts
 

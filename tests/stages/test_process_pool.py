@@ -15,7 +15,7 @@ import anyio
 import pytest
 import torch
 
-from pipeline.types import DeadlineExceeded, ImageDecodeError, WorkerCrashed
+from pipeline.errors import DeadlineExceeded, ImageDecodeError, WorkerCrashed
 from stages.process_pool import ImagePool
 from tests.images import encode, make_image
 from vision.checkpoint import Checkpoint

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.errors import InvalidRequest, PromptTooLong
-from pipeline.request import parse_chat_request
+from pipeline.protocol.request import parse_chat_request
 from stages.template import TemplateStage
 from vision.preprocess import ImageTokenIds, PreparedImage
 

@@ -10,11 +10,11 @@ import pytest
 from anyio.abc import TaskStatus
 
 from pipeline import PipelineConfig
+from pipeline.core.pipeline import Pipeline
+from pipeline.core.staged import Job, StageWorkers
 from pipeline.errors import Overloaded, PromptTooLong, ShuttingDown
-from pipeline.metrics import StageMetrics
-from pipeline.pipeline import Pipeline
-from pipeline.staged import Job, StageWorkers
-from pipeline.types import OutcomeState
+from pipeline.observability.metrics import StageMetrics
+from pipeline.outcome import OutcomeState
 from tests.images import data_url, encode, image_request, make_image
 
 

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.pipeline import Pipeline
-from pipeline.server import create_app
+from pipeline.api.server import create_app
+from pipeline.core.pipeline import Pipeline
 from tests.images import data_url, encode, make_image
 from tests.released import assert_released
 from tests.servers import serving

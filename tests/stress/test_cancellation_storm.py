@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from pipeline import PipelineConfig
+from pipeline.core.pipeline import Pipeline
 from pipeline.errors import PipelineError
-from pipeline.pipeline import Pipeline
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from pipeline import PipelineConfig
+from pipeline.core.pipeline import Pipeline
 from pipeline.errors import (
     DeadlineExceeded,
     EngineError,
@@ -22,7 +23,6 @@ from pipeline.errors import (
     PipelineError,
     WorkerCrashed,
 )
-from pipeline.pipeline import Pipeline
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 from tests.servers import serving

@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.pipeline import Pipeline
-from pipeline.server import create_app
+from pipeline.api.server import create_app
+from pipeline.core.pipeline import Pipeline
 from tests.released import assert_released
 from tests.servers import serving
 

@@ -12,7 +12,7 @@ import time
 import anyio
 
 from pipeline import PipelineConfig
-from pipeline.pipeline import Pipeline
+from pipeline.core.pipeline import Pipeline
 from tests.images import data_url, encode, image_request, make_image
 
 BURST = 32

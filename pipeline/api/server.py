@@ -1,0 +1,116 @@
+"""The OpenAI-compatible aiohttp server: aiohttp's routing, body cap and API-key middleware over the
+routes of ``pipeline.api.routes`` (shared with the Ray Serve front end)."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from pipeline.api.auth import api_key_middleware
+from pipeline.api.openapi import ROUTES
+from pipeline.api.replies import Reply, StreamReply, error_reply
+from pipeline.api.routes import Api
+from pipeline.core.pipeline import Pipeline
+from pipeline.errors import MethodNotAllowed, PayloadTooLarge, PipelineError, RouteNotFound
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_KEY = web.AppKey("pipeline", Pipeline)
+API_KEY = web.AppKey("api", Api)
+BODY_LIMIT_KEY = web.AppKey("body_limit", int)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def to_response(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+
+
+def error_response(error: PipelineError) -> web.Response:
+    return to_response(error_reply(error))
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> PipelineError:
+    """aiohttp's own refusals (no route, wrong method, body over the cap) as typed errors."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app[BODY_LIMIT_KEY]
+        return PayloadTooLarge(f"the request body is over the limit of {limit} bytes", field="body")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path} (allowed: {allowed})")
+    if isinstance(exc, web.HTTPNotFound):
+        return RouteNotFound(f"no route {request.method} {request.path}")
+    error = PipelineError(exc.reason)
+    error.status = exc.status  # an instance attribute: the class keeps its own
+    return error
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's JSON shape, aiohttp's own 404/405/413 included."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = error_response(_http_error(exc, request))
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return response
+    except Exception as exc:  # a bug: a 500 in OpenAI's shape, logged once with its traceback
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(PipelineError(f"internal error ({type(exc).__name__})"))
+
+
+async def respond(request: web.Request, reply: Reply | StreamReply) -> web.StreamResponse:
+    """Write what an ``Api`` route answered: whole, or as server-sent events."""
+    if isinstance(reply, Reply):
+        return to_response(reply)
+    response = web.StreamResponse(headers=reply.headers)
+
+    async def send(chunk: bytes) -> None:
+        if not response.prepared:  # headers leave with the first event: an error before it is a plain 4xx
+            await response.prepare(request)
+        await response.write(chunk)
+
+    try:
+        await reply.write(send)
+    except PipelineError as exc:
+        return error_response(exc)  # raised only before the first event
+    except ConnectionError:
+        return response  # the client went away mid-stream; its requests are cancelled
+    if not response.prepared:
+        await response.prepare(request)
+    return response
+
+
+async def _answer(request: web.Request) -> web.StreamResponse:
+    method = "GET" if request.method == "HEAD" else request.method  # aiohttp answers HEAD on every GET route
+    call = request.app[API_KEY].route(method, request.path)
+    assert call is not None, f"{request.method} {request.path} is routed but not answered"
+    body = await request.read()  # over the cap: the middleware answers 413
+    return await respond(request, await call(body))
+
+
+def create_app(
+    pipe: Pipeline,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    protect_all: bool = False,
+) -> web.Application:
+    """The aiohttp application over a started ``Pipeline``; with ``api_key``, ``/v1/*`` requires it
+    (and every route with ``protect_all``)."""
+    middlewares: list[Middleware] = [openai_errors]
+    if api_key:
+        middlewares.append(api_key_middleware(api_key, protect_all=protect_all))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    app[BODY_LIMIT_KEY] = max_body_bytes
+    app[PIPELINE_KEY] = pipe
+    app[API_KEY] = Api(pipe)
+    for route in ROUTES:  # the OpenAPI document's table: every route served is documented
+        app.router.add_route(route.method.upper(), route.path, _answer)
+    return app

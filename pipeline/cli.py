@@ -1,0 +1,260 @@
+"""Command line: ``python -m pipeline serve|bench`` (nothing in the project imports this module)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "caption": {"type": "string", "maxLength": 40},
+        "dominant_color": {"type": "string", "enum": ["red", "green", "blue", "other"]},
+        "objects": {"type": "integer", "minimum": 0, "maximum": 20},
+    },
+    "required": ["caption", "dominant_color", "objects"],
+    "additionalProperties": False,
+}
+
+
+def demo_request() -> dict[str, object]:
+    """A multimodal, schema-guided chat request with an image made on the spot."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (320, 240), (30, 60, 200))
+    ImageDraw.Draw(image).ellipse((100, 60, 220, 180), fill=(230, 40, 40))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe this image as JSON."},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "description", "schema": DEMO_SCHEMA, "strict": True},
+        },
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+
+
+async def _send_demo(port: int) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=demo_request()) as resp:
+            body = await resp.json()
+    print(f"POST /v1/chat/completions (image + json_schema) -> {resp.status}")
+    if resp.status != 200:
+        print(json.dumps(body, indent=2))
+        return
+    choice = body["choices"][0]
+    print(f"finish_reason: {choice['finish_reason']}   usage: {body['usage']}")
+    print("content:", choice["message"]["content"])
+    print("stage timings (s):", {k: round(v, 4) for k, v in body["timings"].items()})
+
+
+def _config(args: argparse.Namespace) -> PipelineConfig:
+    from pipeline.config import PipelineConfig
+
+    return PipelineConfig(
+        model=args.model,
+        served_model_names=tuple(args.served_model_name or ()),
+        grammar_backend=args.grammar_backend,
+        grammar_abandon_on_shutdown=True,  # exit within --shutdown-timeout, whatever still compiles
+        device=args.device,
+        allow_private_networks=args.allow_private_networks,
+        inline_preparation=args.inline_preparation,
+        max_pending_requests=args.max_pending,
+        stage_queue_size=args.stage_queue_size,
+        decode_threads=args.decode_threads,
+        template_threads=args.template_threads,
+        preparation_mode=args.preparation_mode,
+        prep_workers=args.prep_workers,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from pipeline.api.auth import resolve_api_key
+    from pipeline.api.server import create_app
+    from pipeline.core.pipeline import Pipeline
+    from pipeline.observability.trace import Tracer
+
+    config = _config(args)
+    print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    tracer = Tracer() if args.trace else None
+    async with Pipeline(config, tracer=tracer) as pipe:
+        pipe.preparation.warm()  # start the preparation workers now, not on the first image
+        app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"serving {pipe.model_name} on http://{args.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if args.demo or args.once:
+            await _send_demo(port)
+        if not args.once:
+            await stop.wait()
+            print("shutting down: no new requests; finishing those in flight", flush=True)
+        pipe.stop_accepting()
+        await pipe.drain(args.shutdown_timeout)
+        await runner.cleanup()
+    if tracer is not None:
+        tracer.write(args.trace)
+        print(f"trace: {tracer.num_events} events written to {args.trace}", flush=True)
+
+
+def _exit_without_waiting_for_threads() -> None:
+    """Exit now if worker threads still run: a grammar compile abandoned at shutdown is one C++ call
+    that cannot be interrupted, and the interpreter would wait for it past --shutdown-timeout."""
+    main = threading.main_thread()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not main):
+        print("exiting without waiting for abandoned grammar compiles", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _default(name: str) -> object:
+    """The default of ``PipelineConfig.<name>``: CLI options default to the config, never to a copy of it."""
+    import dataclasses
+
+    from pipeline.config import PipelineConfig
+
+    return next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="the OpenAI-compatible server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=_default("model"), help="checkpoint folder (default: the embedded model)")
+    s.add_argument(
+        "--served-model-name",
+        action="append",
+        help="a name requests may give as 'model' (repeatable; the first is reported); default: the checkpoint's",
+    )
+    s.add_argument("--device", default=_default("device"), help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    s.add_argument(
+        "--grammar-backend",
+        default=_default("grammar_backend"),
+        choices=["auto", "xgrammar", "llguidance"],
+        help="structured-output backend; auto picks per request (default: %(default)s)",
+    )
+    s.add_argument("--allow-private-networks", action="store_true")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELINE_API_KEY; none: open)",
+    )
+    s.add_argument(
+        "--api-key-everywhere",
+        action="store_true",
+        help="require the key on /health, /metrics and /openapi.json too",
+    )
+    s.add_argument(
+        "--max-pending",
+        type=int,
+        default=_default("max_pending_requests"),
+        help="requests admitted at once before 429 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--stage-queue-size",
+        type=int,
+        default=_default("stage_queue_size"),
+        help="inbox of every stage (default: %(default)s)",
+    )
+    s.add_argument(
+        "--decode-threads",
+        type=int,
+        default=_default("decode_threads"),
+        help="image decode threads (default: %(default)s)",
+    )
+    s.add_argument(
+        "--template-threads",
+        type=int,
+        default=_default("template_threads"),
+        help="chat template + tokenize threads (default: %(default)s)",
+    )
+    s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
+    s.add_argument(
+        "--preparation-mode",
+        choices=("process", "thread"),
+        default=_default("preparation_mode"),
+        help="image preparation in low-priority worker processes or in threads (default: %(default)s)",
+    )
+    s.add_argument("--prep-workers", type=int, default=0, help="worker processes (0: from the core count)")
+    s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
+    s.add_argument("--once", action="store_true", help="run the demo request and exit")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a shutdown waits for requests in flight; those left get a 503 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="interpreter GIL switch interval (default 5 ms): how long the loop may wait for a busy worker thread",
+    )
+    s.add_argument("--ray", action="store_true", help="serve on Ray Serve replicas with cache-affinity routing")
+    s.add_argument("--replicas", type=int, default=2, help="with --ray: pipeline replicas (default: %(default)s)")
+    s.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="with --ray: CPUs Ray reserves per replica (default: %(default)s)",
+    )
+    s.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --ray: the cluster to join (default: $RAY_ADDRESS, else a local cluster started here)",
+    )
+    s.add_argument("--trace", default=None, help="write every request's stage spans (Chrome trace JSON) at exit")
+    b = sub.add_parser("bench", help="benchmarks: python -m pipeline bench SCENARIO --help")
+    from pipeline.bench import add_bench_arguments, run_bench
+
+    add_bench_arguments(b)
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.ray:
+        from pipeline.scaleout.launch import serve_on_ray
+
+        return serve_on_ray(args, _config(args), _send_demo if args.demo or args.once else None)
+    if args.command == "serve":
+        asyncio.run(serve(args))
+        _exit_without_waiting_for_threads()
+        return 0
+    return run_bench(args)

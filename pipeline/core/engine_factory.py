@@ -1,0 +1,97 @@
+"""Builds the decode engine of a checkpoint from a PipelineConfig (the engine itself knows no config)."""
+
+from __future__ import annotations
+
+from pipeline.config import PipelineConfig
+from pipeline.errors import PromptTooLong
+from pipeline.observability.trace import Tracer
+from sampling.async_engine import AsyncEngine
+from sampling.detokenizer import TokenBytes
+from sampling.engine import LLMEngine
+from sampling.kv_cache import blocks_needed
+from sampling.model_runner import ModelRunner
+from vision.checkpoint import Checkpoint
+
+__all__ = ["build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
+
+
+def num_kv_blocks(config: PipelineConfig) -> int:
+    """KV cache blocks of the engine ``config`` builds (default: max_running_seqs of max_model_len / 4)."""
+    return config.num_kv_blocks or config.max_running_seqs * blocks_needed(
+        config.max_model_len // 4, config.kv_block_size
+    )
+
+
+def check_fits(config: PipelineConfig, num_prompt: int, n: int, max_tokens: int, where: str = "messages") -> None:
+    """Refuse (400) a request the engine ``config`` builds could never run, before more work is done
+    (``where``: the field that holds the prompt).
+
+    :raises PromptTooLong: no room to generate within max_model_len; ``n`` copies of the prompt need
+        more KV blocks than the whole cache has; or one sequence may outgrow the whole cache before
+        ``max_tokens`` (possible only with a cache smaller than max_model_len). The engine would
+        fail each of these with a 500, the last one mid-answer.
+    """
+    if num_prompt >= config.max_model_len:
+        raise PromptTooLong(
+            f"the prompt is {num_prompt} tokens; max_model_len is {config.max_model_len}, "
+            "which must leave room for at least one generated token",
+            field=where,
+        )
+    block, held = config.kv_block_size, num_kv_blocks(config)
+    need = blocks_needed(num_prompt + 1, block) * n
+    if need > held:
+        raise PromptTooLong(
+            f"{n} sequence(s) of this {num_prompt}-token prompt need {need * block} tokens of KV cache; "
+            f"the whole cache holds {held * block}",
+            field="n" if n > 1 else where,
+        )
+    longest = min(num_prompt + max_tokens, config.max_model_len)
+    if blocks_needed(longest, block) > held:
+        raise PromptTooLong(
+            f"this {num_prompt}-token prompt plus max_tokens may grow to {longest} tokens; the whole KV cache "
+            f"holds {held * block}",
+            field="max_tokens",
+        )
+
+
+def build_llm_engine(
+    checkpoint: Checkpoint,
+    config: PipelineConfig,
+    *,
+    device: str,
+    tracer: Tracer | None = None,
+    record_timeline: bool = False,
+    runner: ModelRunner | None = None,
+) -> LLMEngine:
+    """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly);
+    ``runner``: the model and KV cache of another engine built from the same config, to share."""
+    tokenizer_info = checkpoint.tokenizer_info
+    num_blocks = num_kv_blocks(config)
+    if runner is None:
+        runner = ModelRunner(
+            checkpoint,
+            device=device,
+            max_model_len=config.max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.kv_block_size,
+        )
+    return LLMEngine(
+        runner,
+        TokenBytes.from_tokenizer(tokenizer_info, checkpoint.tokenizer),
+        eos_token_ids=[int(t) for t in tokenizer_info.stop_token_ids],
+        num_blocks=num_blocks,
+        max_running=config.max_running_seqs,
+        chunk_tokens=config.prefill_chunk_tokens,
+        record_timeline=record_timeline,
+        tracer=tracer,
+        one_step_ahead=config.engine_one_step_ahead,
+        prefix_caching=config.prefix_caching,
+    )
+
+
+def build_engine(
+    checkpoint: Checkpoint, config: PipelineConfig, *, device: str, tracer: Tracer | None = None
+) -> AsyncEngine:
+    """The decode engine of ``checkpoint`` on its own thread, sized by ``config``."""
+    engine = build_llm_engine(checkpoint, config, device=device, tracer=tracer)
+    return AsyncEngine(engine, queue_size=config.engine_queue_size)

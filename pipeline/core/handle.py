@@ -1,0 +1,295 @@
+"""RequestHandle: one submitted request: stream its deltas, await its result, or cancel it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from pipeline.core.answer_gate import AnswerGate, resample_params
+from pipeline.core.preparation import PreparedInput
+from pipeline.errors import EngineError, Overloaded, PipelineError, RequestCancelled
+from pipeline.observability.metrics import Metrics
+from pipeline.observability.trace import Tracer
+from pipeline.outcome import Mailbox, Outcome
+from pipeline.protocol.request import ChatRequest
+from sampling.async_engine import EngineQueueFull
+from sampling.inputs import EngineInput, SeqOutput
+from sampling.logits_process import TokenLogprob
+from stages.template import TOOL_CALL_MARKER
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Choice", "Delta", "RequestHandle", "Result"]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    index: int  # choice index
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    is_call: bool = False  # ``text`` continues the choice's tool-call array (``Choice.call_text``)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""  # the answer's text (with tools: what the model wrote before any call)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    call_text: str | None = None  # the tool-call array the model wrote; None: it called no tool
+
+    def add(self, out: SeqOutput, trigger: int | None) -> Delta:
+        """Take one engine output (``trigger``: the token that opens the calls); the delta to pass on."""
+        self.token_ids += out.token_ids
+        self.finish_reason = out.finish_reason
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        text, is_call = out.text, self.call_text is not None
+        if not is_call and trigger is not None and trigger in out.token_ids:
+            # the marker token's own text (if its tokenizer gives it one) belongs to neither part
+            before, marker, after = text.partition(TOOL_CALL_MARKER)
+            self.text += before if marker else text
+            self.call_text, text, is_call = "", after if marker else "", True
+        if is_call:
+            assert self.call_text is not None
+            self.call_text += text
+        else:
+            self.text += text
+        return Delta(self.index, text, out.token_ids, out.finish_reason, out.logprobs, is_call)
+
+
+@dataclass
+class Result:
+    request_id: str
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict[str, float]  # seconds per stage, plus "first_token" and "total"
+    grammar_backend: str | None = None  # which backend constrained it ("xgrammar", "llguidance")
+    num_resamples: int = 0  # answers that failed the answer check and were sampled again
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+
+class RequestHandle:
+    """Returned by ``Pipeline.submit()``; iterate for deltas, ``await result()``, or ``cancel()``."""
+
+    def __init__(
+        self,
+        request: ChatRequest,
+        engine: Any,
+        metrics: Metrics,
+        *,
+        tracer: Tracer | None = None,
+        resample_attempts: int = 2,
+    ) -> None:
+        self._resample_attempts = resample_attempts  # per choice whose answer fails its check
+        self._tracer = tracer
+        self.request = request
+        self.request_id = request.request_id
+        self._engine = engine
+        self._metrics = metrics
+        n = request.sampling.n
+        self._choices = [self._new_choice(i) for i in range(n)]
+        self._deltas: Mailbox[Delta] = Mailbox()  # bounded by max_tokens * n
+        self._outcome: Outcome[Result] = Outcome()
+        self._error: PipelineError | None = None
+        self._scope = anyio.CancelScope()
+        self._prompt_tokens = 0
+        self._timings: dict[str, float] = {}
+        self._grammar_backend: str | None = None
+        self._num_resamples = 0
+
+    def _new_choice(self, index: int) -> Choice:
+        plan = self.request.tools
+        return Choice(index, call_text="" if plan is not None and plan.starts_with_call else None)
+
+    def _checked(self, choice: Choice) -> str | None:
+        """What the answer check reads of ``choice``; None: it has nothing to check."""
+        return choice.call_text if self.request.tools is not None else choice.text
+
+    async def run(self, prepared: Awaitable[PreparedInput]) -> None:
+        """Prepare, then decode; every exit ends the handle with exactly one outcome."""
+        started = anyio.current_time()
+        outcome = "completed"
+        try:
+            with self._scope:
+                ready = await prepared
+                inp = ready.inp
+                self._timings.update(inp.timings)
+                self._prompt_tokens = len(inp.prompt_token_ids)
+                constraint = ready.constraint
+                gate: AnswerGate[Delta] | None = None
+                if constraint is not None:
+                    self._grammar_backend = constraint.backend
+                    spec = self.request.grammar
+                    gate = AnswerGate(
+                        constraint.check,
+                        constraint.backend,
+                        self.request.stream,
+                        self._metrics.answer_checks,
+                        constraint_field=spec.field if spec is not None else None,
+                    )
+                await self._decode(inp, started, gate)
+                if gate is not None and gate.failed:
+                    await self._resample(inp, gate)
+            if self._scope.cancel_called and self._error is None:
+                self._error = RequestCancelled("the request was cancelled", request_id=self.request_id)
+        except PipelineError as exc:
+            self._error = exc.bind(request_id=self.request_id)
+        except Exception as exc:  # a bug: a 500 for this request only, logged once with its traceback
+            logger.exception("request %s failed with an unexpected error", self.request_id)
+            self._error = PipelineError(f"internal error ({type(exc).__name__})", request_id=self.request_id)
+        finally:
+            if self._error is not None:
+                outcome = "cancelled" if isinstance(self._error, RequestCancelled) else "failed"
+            self._metrics.requests[outcome] += 1
+            self._timings["total"] = total = anyio.current_time() - started
+            first = self._timings.get("first_token")
+            if self._error is None and first is not None:
+                num_tokens = max(len(c.token_ids) for c in self._choices)  # the n choices decode side by side
+                self._metrics.observe_decode(first, total - first, num_tokens)
+            self._end()
+
+    def _end(self) -> None:
+        self._deltas.close(self._error)
+        if self._error is None:
+            self._outcome.set_result(
+                Result(
+                    request_id=self.request_id,
+                    choices=self._choices,
+                    prompt_tokens=self._prompt_tokens,
+                    completion_tokens=sum(len(c.token_ids) for c in self._choices),
+                    timings=self._timings,
+                    grammar_backend=self._grammar_backend,
+                    num_resamples=self._num_resamples,
+                )
+            )
+        elif isinstance(self._error, RequestCancelled):
+            self._outcome.cancel(self._error)
+        else:
+            self._outcome.fail(self._error)
+
+    async def _decode(self, inp: EngineInput, started: float, gate: AnswerGate | None) -> None:
+        choices = self._choices
+        async for out in self._generate(inp):
+            if "first_token" not in self._timings:
+                self._timings["first_token"] = anyio.current_time() - started
+                if self._tracer is not None:
+                    self._tracer.instant("first token", self.request_id)
+            choice = choices[out.index]
+            delta = choice.add(out, inp.grammar_trigger)
+            checked = self._checked(choice)
+            for passed in gate.feed(delta, checked) if gate is not None and checked is not None else [delta]:
+                self._deltas.put(passed)
+
+    async def _generate(self, inp: EngineInput) -> AsyncIterator[SeqOutput]:
+        """The engine's outputs for ``inp``; its sequences are aborted if the caller stops early.
+
+        :raises Overloaded: the engine's queue is full. :raises EngineError: a sequence failed.
+        """
+        try:
+            stream = self._engine.submit(inp)
+        except EngineQueueFull as exc:
+            raise Overloaded(str(exc), stage="engine", request_id=self.request_id) from None
+        submitted = time.perf_counter()
+        tokens = 0
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    raise EngineError(out.error, stage="engine", request_id=self.request_id)
+                tokens += len(out.token_ids)
+                self._metrics.tokens_generated += len(out.token_ids)
+                yield out
+        finally:
+            if self._tracer is not None:
+                self._tracer.span("decode", "engine", self.request_id, submitted, time.perf_counter(), tokens=tokens)
+            if not stream.is_finished:
+                self._engine.abort(inp.request_id)  # frees its KV slot and matcher at the next step
+
+    async def _resample(self, inp: EngineInput, gate: AnswerGate) -> None:
+        """Sample each failed choice again (non-streaming only) until it passes or the attempts run out.
+
+        :raises InvalidAnswer: a choice whose every attempt failed, naming where the last one broke.
+        """
+        for index, error in sorted(gate.failed.items()):
+            for attempt in range(1, self._resample_attempts + 1):
+                retry = dataclasses.replace(
+                    inp,
+                    request_id=f"{self.request_id}:resample{attempt}:{index}",
+                    sampling=resample_params(inp.sampling, index=index, attempt=attempt),
+                )
+                choice = self._new_choice(index)
+                async for out in self._generate(retry):
+                    choice.add(out, retry.grammar_trigger)
+                self._metrics.answer_resamples += 1
+                self._num_resamples += 1
+                checked = self._checked(choice)
+                failed = gate.verify(checked) if choice.finish_reason == "stop" and checked is not None else None
+                if failed is None:
+                    self._choices[index] = choice
+                    is_call = choice.call_text is not None
+                    text = choice.call_text if choice.call_text is not None else choice.text
+                    delta = Delta(index, text, choice.token_ids, choice.finish_reason, choice.logprobs, is_call)
+                    self._deltas.put(delta)
+                    break
+                error = failed
+            else:
+                error.message += f" (first answer and {self._resample_attempts} resamples)"
+                raise error
+
+    def cancel(self, error: PipelineError | None = None) -> None:
+        """End the request; what it holds in the stages and the engine is released. It ends with
+        ``error`` when given (a shutdown says so), else with ``RequestCancelled``."""
+        if error is not None and self._error is None and not self.is_done:
+            self._error = error.bind(request_id=self.request_id)
+        self._scope.cancel()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        try:
+            async for delta in self._deltas:
+                yield delta
+        except PipelineError:
+            raise
+        except BaseException:
+            self.cancel()  # the consumer went away (cancelled or broke out): stop generating
+            raise
+
+    async def wait_done(self) -> None:
+        await self._outcome.wait()
+
+    @property
+    def is_done(self) -> bool:
+        return self._outcome.is_done
+
+    async def result(self) -> Result:
+        """The finished result. :raises PipelineError: the request's typed error."""
+        try:
+            return await self._outcome.result()
+        except PipelineError:
+            raise
+        except BaseException:
+            self.cancel()
+            raise

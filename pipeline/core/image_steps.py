@@ -1,0 +1,115 @@
+"""The image part of a request's way through the stages: fetch and hash, decode, encode, with the
+encoder cache in between.
+
+Each image's bytes are hashed once, right after the fetch; the hash is its identity from then on.
+At the decode step the request claims its images from the encoder cache (sorted by hash, one at a
+time: see stages/encoder_cache.py): a hit skips decode, the processor and the encoder; a miss makes
+the request the image's owner, and it decodes and encodes the image once for every request that asks
+meanwhile. The owner's flights are abandoned when its job leaves the stages, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.core.staged import run_each
+from pipeline.errors import InvalidRequest
+from pipeline.observability.trace import Tracer
+from pipeline.types import ImagePart
+from sampling.inputs import ImageKey
+from stages.content_hash import hash_off_loop
+from stages.decode import DecodeStage
+from stages.encoder_cache import EncodedImage, EncoderCache, Flight
+from stages.fetch import FetchStage
+from stages.vision_encode import VisionEncodeStage
+from vision.preprocess import PreparedImage
+
+__all__ = ["ImageSteps", "RequestImages"]
+
+
+@dataclass(eq=False)
+class RequestImages:
+    """One request's images as the steps fill them in, in prompt order."""
+
+    data: list[bytes] = field(default_factory=list)  # fetched bytes, freed once decoded
+    hashes: list[str] = field(default_factory=list)  # content hash of each image
+    images: list[PreparedImage | EncodedImage] = field(default_factory=list)
+    flights: dict[str, Flight] = field(default_factory=dict)  # images this request encodes for others
+    embeds: torch.Tensor | None = None  # [sum(num_patches), hidden]
+    keys: list[ImageKey] = field(default_factory=list)
+
+
+class ImageSteps:
+    def __init__(
+        self,
+        fetch: FetchStage,
+        decode: DecodeStage,
+        vision: VisionEncodeStage | None,
+        cache: EncoderCache | None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.fetch = fetch
+        self.decode = decode
+        self.vision = vision
+        self.cache = cache  # None: off
+        self.tracer = tracer
+
+    async def fetch_step(self, refs: list[ImagePart], out: RequestImages, request_id: str) -> None:
+        data: list[bytes] = [b""] * len(refs)
+        hashes = [""] * len(refs)
+
+        async def fetch_one(i: int) -> None:
+            data[i] = await self.fetch.run(refs[i].url, field=refs[i].field)
+            hashes[i] = await hash_off_loop(data[i], self.fetch.base64_limiter)
+
+        await run_each(fetch_one, len(refs))
+        out.data, out.hashes = data, hashes
+        if self.tracer is not None and hashes:
+            self.tracer.instant("images hashed", request_id, hashes=[h[:16] for h in hashes])
+
+    async def decode_step(self, refs: list[ImagePart], out: RequestImages) -> None:
+        found: dict[str, EncodedImage] = {}
+        if self.cache is not None:
+            for h in sorted(set(out.hashes)):  # in hash order: no two requests wait on each other
+                got = await self.cache.claim(h)
+                if isinstance(got, Flight):
+                    out.flights[h] = got
+                else:
+                    found[h] = got
+        decoded: dict[str, PreparedImage] = {}  # by hash: an image twice in one request decodes once
+        todo = list({h: i for i, h in reversed(list(enumerate(out.hashes))) if h not in found}.items())
+
+        async def decode_one(k: int) -> None:
+            h, i = todo[k]
+            decoded[h] = await self.decode.run(out.data[i], field=refs[i].field)
+
+        await run_each(decode_one, len(todo))
+        out.data = []  # the encoded bytes are no longer needed: free them early
+        out.images = [found[h] if h in found else decoded[h] for h in out.hashes]
+
+    async def vision_step(self, out: RequestImages) -> None:
+        if not out.images:
+            return
+        if self.vision is None:
+            raise InvalidRequest("this model takes no images", field="messages")
+        todo = {h: im for h, im in zip(out.hashes, out.images, strict=True) if isinstance(im, PreparedImage)}
+        encoded = await self.vision.encode_each(list(todo.values())) if todo else []
+        done: dict[str, EncodedImage] = {}
+        for (h, im), embeds in zip(todo.items(), encoded, strict=True):
+            done[h] = EncodedImage(h, embeds, im.num_rows, im.num_cols)
+            flight = out.flights.pop(h, None)
+            if flight is not None and self.cache is not None:
+                self.cache.fulfil(flight, done[h])
+        images = [im if isinstance(im, EncodedImage) else done[h] for h, im in zip(out.hashes, out.images, strict=True)]
+        out.embeds = torch.cat([im.embeds for im in images])
+        out.keys = [ImageKey(im.content_hash, im.num_patches) for im in images]
+        out.images = []
+
+    def release(self, out: RequestImages) -> None:
+        """Abandon the flights the request still owns (it failed or was cancelled before encoding)."""
+        if self.cache is not None:
+            for flight in out.flights.values():
+                self.cache.abandon(flight)
+        out.flights.clear()

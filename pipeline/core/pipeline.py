@@ -1,0 +1,370 @@
+"""Pipeline: start/stop, admission, ``prepare()`` through the stages and ``submit()`` to the engine."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from pipeline.config import PipelineConfig
+from pipeline.core.engine_factory import build_engine
+from pipeline.core.handle import RequestHandle
+from pipeline.core.preparation import Preparation, PreparedRequest, build_grammar_stage
+from pipeline.core.staged import Job
+from pipeline.errors import Overloaded, ShuttingDown
+from pipeline.observability.metrics import Metrics
+from pipeline.observability.prometheus import MetricsExporter
+from pipeline.observability.trace import Tracer
+from pipeline.protocol.completion_request import parse_completion_request
+from pipeline.protocol.request import ChatRequest, parse_chat_request
+from sampling.async_engine import AsyncEngine
+from sampling.inputs import EngineInput
+from stages.encoder_cache import CacheStats
+from stages.grammar import GrammarStage
+from vision.checkpoint import Checkpoint, open_checkpoint
+from vision.encoder import VisionEncoder
+
+__all__ = ["Pipeline", "PipelineState", "Resources"]
+
+
+class PipelineState(enum.Enum):
+    NEW = "new"  # built, not started
+    STARTING = "starting"  # loading the model
+    ACCEPTING = "accepting"
+    DRAINING = "draining"  # admitted requests go on; new ones get 503
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """What the pipeline holds now; every field is 0 once it is idle (tests assert exactly that)."""
+
+    pending_requests: int  # admitted, not yet out of the stages
+    running_requests: int  # handles not yet done
+    grammar_compiles: int  # compile jobs in flight
+    limiter_tokens: dict[str, int]  # per stage limiter: tokens borrowed (threads and slots in use)
+    queued: dict[str, int]  # per stage inbox: jobs waiting
+    in_flight: dict[str, int]  # per stage: jobs a worker is on
+    engine: dict[str, int]  # engine requests, output streams, KV blocks in use
+
+    @property
+    def is_released(self) -> bool:
+        counts = [self.pending_requests, self.running_requests, self.grammar_compiles]
+        counts += [*self.limiter_tokens.values(), *self.queued.values(), *self.in_flight.values()]
+        counts += list(self.engine.values())
+        return not any(counts)
+
+
+async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
+    with anyio.CancelScope(shield=True):
+        await close()
+
+
+class Pipeline:
+    """The request pipeline and decode engine of one model; use as ``async with Pipeline(cfg) as p``."""
+
+    def __init__(
+        self, config: PipelineConfig | None = None, *, with_engine: bool = True, tracer: Tracer | None = None
+    ) -> None:
+        self.config = config or PipelineConfig()
+        self.tracer = tracer
+        self.with_engine = with_engine
+        self.metrics = Metrics()
+        self.metrics.pending = lambda: self._pending
+        self.metrics.running = lambda: len(self._handles)
+        self.metrics.engine = self.decoding
+        self._exporter = MetricsExporter(self.metrics)
+        for cache in ("encoder", "kv_prefix"):  # read at scrape time; absent while off
+            self.metrics.register_cache(cache, functools.partial(self._cache_counters, cache))
+        self.state = PipelineState.NEW
+        self._checkpoint: Checkpoint | None = None
+        self._encoder: VisionEncoder | None = None
+        self._grammar: GrammarStage | None = None
+        self._preparation: Preparation | None = None
+        self._engine: AsyncEngine | None = None
+        self._stack = AsyncExitStack()
+        self._tg: TaskGroup | None = None
+        self._pending = 0  # jobs admitted and not yet out of the stages
+        self._handles: set[RequestHandle] = set()
+        self._idle = anyio.Event()
+
+    # -- what start() builds -------------------------------------------------------------------
+    @property
+    def checkpoint(self) -> Checkpoint:
+        if self._checkpoint is None:
+            raise RuntimeError("the pipeline is not started")
+        return self._checkpoint
+
+    @property
+    def encoder(self) -> VisionEncoder | None:
+        return self._encoder
+
+    @property
+    def preparation(self) -> Preparation:
+        if self._preparation is None:
+            raise RuntimeError("the pipeline is not started")
+        return self._preparation
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("the pipeline is not started, or was built with_engine=False")
+        return self._engine
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (logit_bias, prompt ids): the tokenizer's."""
+        return len(self.checkpoint.tokenizer)
+
+    @property
+    def token_table(self) -> list[bytes]:
+        """Each token id's bytes (log-probability entries show them)."""
+        return self.engine.engine.token_bytes.table
+
+    def render_metrics(self) -> bytes:
+        """The Prometheus text exposition of this pipeline's metrics."""
+        return self._exporter.render()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may carry; the first is the one responses report."""
+        return self.config.served_model_names or (self.checkpoint.model_name,)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Heavy, synchronous model loading (run in a worker thread)."""
+        cfg = self.config
+        device = cfg.resolved_device()
+        self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
+        self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
+        self._grammar = build_grammar_stage(cfg, ck)
+        if self.with_engine:
+            self._engine = build_engine(ck, cfg, device=device, tracer=self.tracer)
+
+    async def __aenter__(self) -> Pipeline:
+        if self.state is not PipelineState.NEW:
+            raise RuntimeError(f"a pipeline starts once (it is {self.state.value})")
+        self.state = PipelineState.STARTING
+        await anyio.to_thread.run_sync(self._load)
+        assert self._grammar is not None  # built by _load
+        self._preparation = Preparation(
+            self.config, self.checkpoint, self._encoder, self._grammar, metrics=self.metrics, tracer=self.tracer
+        )
+        stack = self._stack
+        try:
+            # closed in reverse: the task group (stage workers, compiles) first, then the engine,
+            # then the stages' resources (HTTP session, inboxes)
+            stack.push_async_callback(_shielded, self._preparation.aclose)
+            if self._engine is not None:
+                await self._engine.start()
+                stack.push_async_callback(_shielded, self._engine.aclose)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(self._tg.cancel_scope.cancel)
+            self._preparation.start(self._tg)
+        except BaseException:
+            await self._close()
+            raise
+        self.state = PipelineState.ACCEPTING
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        self.state = PipelineState.DRAINING
+        await self._stack.aclose()  # the task group must exit in its own scope, so the closers shield themselves
+        self.state = PipelineState.STOPPED
+
+    # -- admission ----------------------------------------------------------------------------
+    def parse(self, body: Any) -> ChatRequest:
+        """:raises InvalidRequest: naming the offending field. :raises ModelNotFound: a model not served."""
+        cfg = self.config
+        return parse_chat_request(
+            body,
+            max_images=cfg.max_images_per_request,
+            default_max_tokens=cfg.default_max_tokens,
+            max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            model_names=self.model_names,
+        )
+
+    def parse_completions(self, body: Any) -> list[ChatRequest]:
+        """A completions body, one request per prompt. :raises InvalidRequest: naming the offending field.
+        :raises ModelNotFound: a model not served."""
+        cfg = self.config
+        return parse_completion_request(
+            body,
+            default_max_tokens=cfg.default_max_tokens,
+            max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            model_names=self.model_names,
+        )
+
+    def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
+        if self.state is not PipelineState.ACCEPTING:
+            raise ShuttingDown("the pipeline is not accepting requests", retry_after=self.config.retry_after_s)
+        if self._pending >= self.config.max_pending_requests:
+            self.metrics.requests["refused"] += 1
+            raise Overloaded(
+                f"{self._pending} requests in preparation; the limit is {self.config.max_pending_requests}",
+                retry_after=self.config.retry_after_s,
+                stage="admission",
+                request_id=request.request_id,
+            )
+        job = Job(request.request_id, PreparedRequest(request), on_leave=self._job_left)
+        try:
+            self.preparation.admit(job)
+        except anyio.WouldBlock:
+            self.metrics.requests["refused"] += 1
+            raise Overloaded(
+                "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
+            ) from None
+        self._pending += 1
+        if self.tracer is not None:
+            self.tracer.instant("admitted", request.request_id, images=len(request.images))
+        return job
+
+    def _job_left(self, job: Job[PreparedRequest]) -> None:
+        self.preparation.release(job)
+        self._pending -= 1
+        self.metrics.jobs[job.outcome.state.value] += 1
+        if self._pending == 0:
+            self._idle.set()
+            self._idle = anyio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in the stages, no grammar compile is running and no image batch
+        is being encoded."""
+        if self._pending:
+            await self._idle.wait()
+        await self.preparation.grammar.wait_idle()
+        if self.preparation.vision is not None:
+            await self.preparation.vision.wait_idle()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests admitted whose preparation has not yet left the stages."""
+        return self._pending
+
+    async def prepare(self, request: ChatRequest | dict[str, Any]) -> EngineInput:
+        """Run one request through every preparation stage and join its grammar.
+
+        :raises PipelineError: the typed error of the stage that failed (Overloaded at admission).
+        """
+        if not isinstance(request, ChatRequest):
+            request = self.parse(request)
+        return await self.preparation.engine_input(self._admit(request))
+
+    async def submit(self, request: ChatRequest | dict[str, Any]) -> RequestHandle:
+        """Admit ``request`` (refusing at once when full) and start it; stream or await the handle.
+
+        :raises InvalidRequest: for a malformed body. :raises Overloaded: when the pipeline is full.
+        """
+        engine = self.engine
+        if not isinstance(request, ChatRequest):
+            request = self.parse(request)
+        job = self._admit(request)
+        handle = RequestHandle(
+            request,
+            engine,
+            self.metrics,
+            tracer=self.tracer,
+            resample_attempts=self.config.answer_resample_attempts,
+        )
+        self._handles.add(handle)
+        if self._tg is None:  # admitted above, so started: only a bug gets here
+            raise RuntimeError("the pipeline has no task group")
+        self._tg.start_soon(self._run_handle, handle, job)
+        return handle
+
+    async def _run_handle(self, handle: RequestHandle, job: Job[PreparedRequest]) -> None:
+        try:
+            await handle.run(self.preparation.prepared(job))
+        finally:
+            self._handles.discard(handle)
+
+    def stop_accepting(self) -> None:
+        """New requests are refused with 503 from now on; those admitted go on."""
+        if self.state is PipelineState.ACCEPTING:
+            self.state = PipelineState.DRAINING
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every admitted request to end; False if some were still running
+        (they end with a 503 ``ShuttingDown`` that says so)."""
+        with anyio.move_on_after(timeout_s):
+            while self._handles:
+                await next(iter(self._handles)).wait_done()
+            return True
+        for handle in list(self._handles):
+            handle.cancel(
+                ShuttingDown(
+                    f"the server shut down before this request finished (it waited {timeout_s:g} s)",
+                    retry_after=self.config.retry_after_s,
+                )
+            )
+        return False
+
+    def _cache_counters(self, cache: str) -> dict[str, float]:
+        stats = self.cache_stats().get(cache) if self._preparation is not None else None
+        if stats is None:
+            return {}
+        return {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "evictions": stats.evictions,
+            "bytes": stats.bytes_held,
+            "bytes_bound": stats.bytes_bound,
+            "entries": stats.entries,
+        }
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Hits, misses, evictions and bytes held of the encoder cache and the KV prefix cache (a
+        cache that is off is absent)."""
+        out = {}
+        cache = self.preparation.encoder_cache
+        if cache is not None:
+            out["encoder"] = replace(cache.stats)
+        if self._engine is not None and self._engine.engine.scheduler.prefix_caching:
+            engine = self._engine.engine
+            kv = engine.scheduler.allocator.stats
+            block_bytes = engine.runner.kv_block_bytes
+            out["kv_prefix"] = CacheStats(
+                hits=kv.hits,
+                misses=kv.misses,
+                evictions=kv.evictions,
+                bytes_held=kv.blocks_held * block_bytes,
+                bytes_bound=engine.scheduler.allocator.num_blocks * block_bytes,
+                entries=kv.blocks_held,
+            )
+        return out
+
+    def decoding(self) -> dict[str, int]:
+        """The decode engine now: sequences running and waiting, KV blocks, preemptions so far."""
+        return self._engine.stats() if self._engine is not None else {}
+
+    def health(self) -> dict[str, Any]:
+        status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"
+        return {"status": status, "pending": self._pending, "decoding": self.decoding()}
+
+    def resources(self) -> Resources:
+        """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""
+        prep = self.preparation
+        return Resources(
+            pending_requests=self._pending,
+            running_requests=len(self._handles),
+            grammar_compiles=prep.grammar.num_compiling,
+            limiter_tokens={name: int(limiter.borrowed_tokens) for name, limiter in prep.limiters().items()},
+            queued={stage.name: stage.queue_depth() for stage in prep.stages} | prep.side_queues(),
+            in_flight={name: stage.in_flight for name, stage in self.metrics.stages.items()},
+            engine=self._engine.resources() if self._engine is not None else {},
+        )

@@ -1,0 +1,366 @@
+"""The preparation stages of one model, and the steps that carry a request through them.
+
+``Preparation`` owns the stage objects (fetch, decode, template, vision encode, grammar) and one
+``StageWorkers`` pool per stage; the ``Pipeline`` owns admission, lifecycle and the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import anyio
+from anyio.abc import TaskGroup
+
+from pipeline.config import PipelineConfig
+from pipeline.core.engine_factory import check_fits
+from pipeline.core.image_steps import ImageSteps, RequestImages
+from pipeline.core.staged import Job, StageWorkers
+from pipeline.errors import InvalidRequest, PipelineError
+from pipeline.observability.metrics import Metrics
+from pipeline.observability.trace import Tracer
+from pipeline.outcome import Outcome
+from pipeline.protocol.request import ChatRequest
+from sampling.inputs import EngineInput
+from sampling.llguidance_backend import LLGuidanceBackend
+from stages.decode import DecodeStage
+from stages.encoder_cache import EncoderCache
+from stages.fetch import FetchStage
+from stages.grammar import CompiledConstraint, GrammarStage
+from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.process_pool import ImagePool
+from stages.template import TemplateStage
+from stages.vision_encode import VisionEncodeStage
+from vision.checkpoint import Checkpoint
+from vision.encoder import VisionEncoder
+from vision.image_worker import ImageWorkerSpec
+from vision.preprocess import ImageTokenIds, preprocess_image
+
+__all__ = ["Preparation", "PreparedInput", "PreparedRequest", "build_grammar_stage", "encoder_cache_namespace"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PreparedRequest:
+    """What the stages fill in for one request."""
+
+    request: ChatRequest
+    images: RequestImages = field(default_factory=RequestImages)
+    prompt_ids: list[int] = field(default_factory=list)
+    grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedInput:
+    """A request ready to decode: the engine's input, and the constraint its answers are checked
+    against (None when unconstrained)."""
+
+    inp: EngineInput
+    constraint: CompiledConstraint | None
+
+
+def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> GrammarStage:
+    """The grammar stage with both backends for ``checkpoint``'s tokenizer (seconds: run it off the loop)."""
+    info = checkpoint.tokenizer_info
+    llguidance = LLGuidanceBackend(
+        checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=[int(t) for t in info.stop_token_ids]
+    )
+    return GrammarStage(
+        XGrammarCompiler(info, any_whitespace=config.json_any_whitespace),
+        LLGuidanceCompiler(llguidance),
+        timeout_s=config.grammar_compile_timeout_s,
+        cache_bytes=config.grammar_cache_bytes,
+        max_concurrent=config.grammar_max_concurrent_compiles,
+        xgrammar_budget_s=config.grammar_xgrammar_budget_s,
+        backend=config.grammar_backend,
+        abandon_on_shutdown=config.grammar_abandon_on_shutdown,
+    )
+
+
+def encoder_cache_namespace(checkpoint: Checkpoint) -> str:
+    """The model and processor part of an encoder cache key: embeddings of one model and one set of
+    processor settings are never served for another."""
+    processor = checkpoint.image_processor
+    settings = processor.to_json_string() if processor is not None else ""
+    return hashlib.sha256(f"{checkpoint.path}\n{settings}".encode()).hexdigest()[:16]
+
+
+class Preparation:
+    """The stage objects, their worker pools, and the steps a request goes through."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        checkpoint: Checkpoint,
+        encoder: VisionEncoder | None,
+        grammar: GrammarStage,
+        *,
+        metrics: Metrics,
+        tracer: Tracer | None = None,
+    ) -> None:
+        cfg = self.config = config
+        self.metrics = metrics
+        self.tracer = tracer
+        tokenizer = checkpoint.tokenizer
+        self.image_token_id = checkpoint.image_token_id if checkpoint.image_token_id is not None else -1
+        processor = checkpoint.image_processor
+        longest = (getattr(processor, "size", None) or {}).get("longest_edge") if processor else None
+        self.fetch = FetchStage(
+            max_bytes=cfg.max_image_bytes,
+            concurrency=cfg.fetch_concurrency,
+            connect_timeout_s=cfg.fetch_connect_timeout_s,
+            total_timeout_s=cfg.fetch_total_timeout_s,
+            max_redirects=cfg.max_redirects,
+            allow_private=cfg.allow_private_networks,
+            media_root=cfg.media_root,
+        )
+        self.pool = self._build_pool(checkpoint, encoder, longest)
+        self.decode = DecodeStage(
+            max_pixels=cfg.max_image_pixels,
+            threads=cfg.decode_threads,
+            inline=cfg.inline_preparation,
+            target_longest_edge=longest,
+            transform=partial(preprocess_image, processor) if processor else None,
+            pool=self.pool,
+        )
+        self.template = TemplateStage(
+            tokenizer,
+            ImageTokenIds.from_tokenizer(tokenizer, self.image_token_id),
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            threads=cfg.template_threads,
+            inline=cfg.inline_preparation,
+        )
+        self.vision = (
+            VisionEncodeStage(
+                encoder,
+                max_batch=cfg.vision_max_batch,
+                wait_ms=cfg.vision_batch_wait_ms,
+                queue_size=cfg.stage_queue_size * cfg.max_images_per_request,
+                threads=cfg.vision_encode_threads,
+                inline=cfg.inline_preparation,
+            )
+            if encoder is not None
+            else None
+        )
+        self.encoder_cache = (
+            EncoderCache(cfg.encoder_cache_bytes, encoder_cache_namespace(checkpoint))
+            if cfg.encoder_cache_bytes and encoder is not None
+            else None
+        )
+        self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer)
+        self.grammar = grammar
+        metrics.grammar_compiles = lambda: self.grammar.stats.backends
+        metrics.grammar = self.grammar.counters
+        metrics.register_cache("grammar", self.grammar.cache_counters)
+        self.stages = self._build_stages()
+        self._tg: TaskGroup | None = None
+
+    def _build_pool(
+        self, checkpoint: Checkpoint, encoder: VisionEncoder | None, longest_edge: int | None
+    ) -> ImagePool | None:
+        """The worker processes of process mode (for a model that takes images)."""
+        cfg = self.config
+        if cfg.preparation_mode != "process" or cfg.inline_preparation or checkpoint.image_processor is None:
+            return None
+        # The encoder runs in the workers when it runs on the CPU: there it is GIL-free torch work
+        # like the rest, at low priority. On a GPU it stays in this process, on the device, where
+        # its micro-batches share the device with the decode engine and need no copy of the weights.
+        spec = ImageWorkerSpec(
+            checkpoint_path=str(checkpoint.path),
+            max_pixels=cfg.max_image_pixels,
+            target_longest_edge=longest_edge,
+            encode=encoder is not None and encoder.device.type == "cpu",
+            nice=cfg.prep_worker_nice,
+            task=cfg.prep_worker_task,
+        )
+        return ImagePool(
+            spec,
+            size=cfg.num_prep_workers(),
+            max_image_bytes=cfg.max_image_bytes,
+            job_timeout_s=cfg.prep_worker_timeout_s,
+        )
+
+    def warm(self) -> None:
+        """Start the preparation workers now (else on the first image), in the background."""
+        if self.pool is not None:
+            self.pool.warm()
+
+    async def start_workers(self) -> None:
+        """Start the preparation workers and wait until they are ready (a no-op in thread mode)."""
+        if self.pool is not None:
+            await self.pool.start_all()
+
+    def admit(self, job: Job[PreparedRequest]) -> None:
+        """Put ``job`` into the first stage and start its grammar compile beside the stages.
+
+        :raises anyio.WouldBlock: the first stage's inbox is full (nothing was started).
+        """
+        assert self._tg is not None, "start() first"
+        self.stages[0].offer(job)
+        if job.payload.request.grammar is not None:
+            self._tg.start_soon(self._compile_grammar, job)
+        else:
+            job.payload.grammar.set_result(None)
+
+    def start(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        self.grammar.attach(tg)
+        if self.pool is not None:
+            self.pool.attach(tg)
+        for stage in self.stages:
+            stage.start(tg)
+        if self.vision is not None:
+            tg.start_soon(self.vision.run_batcher)
+
+    def limiters(self) -> dict[str, anyio.CapacityLimiter]:
+        """Every stage's limiter by stage name (borrowed tokens: threads or slots in use)."""
+        limiters = {
+            "fetch": self.fetch.limiter,
+            "fetch_base64": self.fetch.base64_limiter,
+            "decode": self.decode.limiter,
+            "template": self.template.limiter,
+            "grammar": self.grammar.limiter,
+        }
+        if self.vision is not None:
+            limiters["vision"] = self.vision.limiter
+        return limiters
+
+    def side_queues(self) -> dict[str, int]:
+        """Items waiting outside the stage inboxes (the vision batcher's queue)."""
+        queues = {"vision_batcher": self.vision.queue_depth} if self.vision is not None else {}
+        if self.encoder_cache is not None:  # encodes owned for other requests (0 once idle)
+            queues["encoder_cache_flights"] = self.encoder_cache.num_flights
+        return queues
+
+    async def aclose(self) -> None:
+        for stage in self.stages:
+            await stage.aclose()
+        if self.vision is not None:
+            await self.vision.aclose()
+        await self.fetch.aclose()
+        if self.pool is not None:
+            await self.pool.aclose()
+
+    def _build_stages(self) -> list[StageWorkers]:
+        cfg = self.config
+        steps = [
+            ("fetch", self._fetch_step, cfg.fetch_concurrency),
+            ("decode", self._decode_step, (cfg.num_prep_workers() if self.pool else cfg.decode_threads) * 2),
+            ("template", self._template_step, cfg.template_threads * 2),
+            ("vision", self._vision_step, cfg.vision_max_batch * 2),
+        ]
+        # admission's bound is max_pending_requests (config.py): the first inbox must not refuse sooner
+        first_queue = max(cfg.stage_queue_size, cfg.max_pending_requests)
+        stages = [
+            StageWorkers(
+                name,
+                step,
+                num_workers=n,
+                queue_size=first_queue if i == 0 else cfg.stage_queue_size,
+                metrics=self.metrics.stage(name),
+                tracer=self.tracer,
+            )
+            for i, (name, step, n) in enumerate(steps)
+        ]
+        for before, after in zip(stages, stages[1:], strict=False):
+            before.next = after
+        return stages
+
+    # -- the stage steps ------------------------------------------------------------------------
+    async def _fetch_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
+        await self.images.fetch_step(prep.request.images, prep.images, job.request_id)
+
+    async def _decode_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
+        await self.images.decode_step(prep.request.images, prep.images)
+
+    async def _template_step(self, job: Job[PreparedRequest]) -> None:
+        prep = job.payload
+        request = prep.request
+        plan = request.tools
+        marker = self.template.tool_call_token
+        if plan is not None and not plan.starts_with_call and marker is None:
+            raise InvalidRequest(
+                "this model's tokenizer has no tool-call marker: use tool_choice 'required' or a named function",
+                field="tool_choice",
+            )
+        tools = plan.tools if plan is not None else ()
+        prep.prompt_ids = await self.template.run(request.messages, prep.images.images, tools, request.prompt)
+        if plan is not None and plan.starts_with_call and marker is not None:
+            prep.prompt_ids.append(marker)  # the assistant's turn opens with its calls
+        sampling, where = request.sampling, "messages" if request.prompt is None else "prompt"
+        check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens, where)
+
+    async def _vision_step(self, job: Job[PreparedRequest]) -> None:
+        await self.images.vision_step(job.payload.images)
+
+    def release(self, job: Job[PreparedRequest]) -> None:
+        """What ``job`` still holds once it left the stages (encodes it owned for others)."""
+        self.images.release(job.payload.images)
+
+    async def _compile_grammar(self, job: Job[PreparedRequest]) -> None:
+        """Runs beside the stages from admission on; a bad grammar fails the request at once."""
+        prep = job.payload
+        spec = prep.request.grammar
+        assert spec is not None
+        started = time.perf_counter()
+        try:
+            prep.grammar.set_result(await self.grammar.compile(spec, request_id=job.request_id))
+        except PipelineError as exc:
+            prep.grammar.fail(exc.bind(stage="grammar", request_id=job.request_id))
+        except Exception as exc:  # a bug must fail this request, not the pipeline's task group
+            logger.exception("request %s: unexpected error compiling its grammar", job.request_id)
+            prep.grammar.fail(
+                PipelineError(f"internal error ({type(exc).__name__})", stage="grammar", request_id=job.request_id)
+            )
+        finally:
+            ended = time.perf_counter()
+            job.timings["grammar"] = ended - started
+            if self.tracer is not None:
+                self.tracer.span("grammar compile", "grammar", job.request_id, started, ended)
+            if prep.grammar.error is not None:
+                job.fail(prep.grammar.error)  # type: ignore[arg-type]
+
+    def _grammar_trigger(self, request: ChatRequest) -> int | None:
+        """``auto`` tool calls: the grammar holds from the marker on."""
+        plan = request.tools
+        return self.template.tool_call_token if plan is not None and not plan.starts_with_call else None
+
+    async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
+        """What ``prepared`` gives, for the engine alone."""
+        return (await self.prepared(job)).inp
+
+    async def prepared(self, job: Job[PreparedRequest]) -> PreparedInput:
+        """Wait for ``job`` to leave the last stage, join its grammar, and wrap it for the engine.
+
+        :raises PipelineError: the error the job ended with. A cancelled caller cancels the job.
+        """
+        prep = job.payload
+        try:
+            await job.wait()
+            if job.error is None:
+                await prep.grammar.wait()
+        except BaseException:
+            job.cancel()
+            raise
+        if job.error is not None:
+            raise job.error
+        request = prep.request
+        constraint = prep.grammar.get()
+        inp = EngineInput(
+            request_id=request.request_id,
+            prompt_token_ids=prep.prompt_ids,
+            image_token_id=self.image_token_id,
+            image_embeds=prep.images.embeds,
+            sampling=request.sampling,
+            grammar=constraint.grammar if constraint is not None else None,
+            grammar_trigger=self._grammar_trigger(request),
+            timings=dict(job.timings),
+            image_keys=prep.images.keys,
+        )
+        return PreparedInput(inp, constraint)

@@ -1,0 +1,84 @@
+"""Admission for ``/v1/completions``: one request per prompt, sharing the sampling parameters.
+
+A prompt is a string (tokenized with the tokenizer's own special tokens, no chat template), a list
+of token ids, or a list of either. Each prompt becomes its own ``ChatRequest`` with a raw prompt:
+its own sequences, grammar matchers and answer checks, the constraint compiled once (the grammar
+cache is keyed by the spec). Choice ``j`` of prompt ``i`` is choice ``i * n + j`` of the response.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pipeline.errors import InvalidRequest
+from pipeline.protocol.bodies import CompletionRequest
+from pipeline.protocol.request import ChatRequest, check_model, request_grammar, sampling_params
+from pipeline.protocol.wire import decode_body
+
+__all__ = ["MAX_PROMPTS", "parse_completion_request"]
+
+MAX_PROMPTS = 16  # prompts per request: each is admitted (and bounded) like a request of its own
+
+
+def _fail(message: str, field: str) -> InvalidRequest:
+    return InvalidRequest(message, field=field, stage="admission")
+
+
+def _prompts(raw: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    if isinstance(raw, str):
+        return [raw]
+    if all(isinstance(p, int) for p in raw):
+        return [[int(p) for p in raw]]  # type: ignore[arg-type]  # every item is an int
+    if all(isinstance(p, str) for p in raw):
+        prompts: list[str | list[int]] = [p for p in raw if isinstance(p, str)]
+    elif all(isinstance(p, list) for p in raw):
+        prompts = [p for p in raw if isinstance(p, list)]
+    else:
+        raise _fail("'prompt' must be a string, a list of strings, token ids, or a list of token-id lists", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise _fail(f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS} are allowed", "prompt")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and not prompt:
+            raise _fail("a token-id prompt must not be empty", f"prompt[{i}]")
+    return prompts
+
+
+def parse_completion_request(
+    body: bytes | Any,
+    *,
+    default_max_tokens: int = 256,
+    max_model_len: int = 8192,
+    vocab_size: int = 1 << 31,
+    model_names: tuple[str, ...] | None = None,
+) -> list[ChatRequest]:
+    """Validate a completions body: one request per prompt, ids ``cmpl-...-i``; ``model_names``: the
+    names ``model`` may carry (None: any).
+
+    :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
+    """
+    typed = decode_body(body, CompletionRequest)
+    check_model(typed.model, model_names)
+    if typed.echo:
+        raise _fail("'echo' is not supported by this server", "echo")
+    if typed.suffix is not None:
+        raise _fail("'suffix' is not supported by this server", "suffix")
+    if typed.best_of is not None and typed.best_of != (typed.n or 1):
+        raise _fail("'best_of' must equal 'n' when given (no server-side selection)", "best_of")
+    prompts = _prompts(typed.prompt)
+    grammar = request_grammar(typed, body)
+    sampling = sampling_params(typed, default_max_tokens, max_model_len, logprobs=typed.logprobs, vocab_size=vocab_size)
+    base = f"cmpl-{uuid.uuid4().hex[:16]}"
+    return [
+        ChatRequest(
+            messages=(),
+            sampling=sampling,
+            grammar=grammar,
+            prompt=prompt,
+            stream=bool(typed.stream),
+            include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
+            model=typed.model,
+            request_id=f"{base}-{i}",
+        )
+        for i, prompt in enumerate(prompts)
+    ]

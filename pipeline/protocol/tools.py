@@ -1,0 +1,170 @@
+"""Tool calling: ``tools`` and ``tool_choice`` into a constraint on the model's calls, and back.
+
+The model writes its calls in its chat template's own format, which for the Mistral tokenizer is
+the marker token ``[TOOL_CALLS]`` and then ``[{"name": "f", "arguments": {...}}, ...]``. What each
+``tool_choice`` asks of it:
+
+- ``none`` (or no tools): no constraint, and the marker is banned, so the answer is text.
+- ``required``: the marker is put at the end of the prompt (the assistant's turn starts with it)
+  and the rest must be a non-empty array of calls, each one's arguments under its function's
+  JSON schema (``anyOf`` over the functions).
+- a named function: the same, with one call to that function alone.
+- ``auto`` (the default with tools): free text until the model writes the marker; from that token
+  on the same array of calls is enforced (the engine's grammar trigger).
+
+The calls are a JSON-schema constraint like any other: compiled by the grammar stage, and each
+finished call array is checked against the whole schema before it leaves (rule 7). Call ids are 9
+characters (the Mistral template refuses others); ids a client sends back that are not are mapped
+to 9 characters the same way every time, so a conversation's calls and results still match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipeline.errors import InvalidRequest
+from pipeline.protocol.bodies import ChatCompletionRequest, NamedToolChoice
+from pipeline.types import GrammarSpec
+
+__all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
+
+_ALPHABET = string.ascii_letters + string.digits
+_ID_LENGTH = 9
+# a function without parameters takes exactly {}: a free-form object lets a weak model ramble
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+ToolMode = Literal["auto", "required", "named"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a request's tools ask of the template, the engine and the response."""
+
+    mode: ToolMode
+    tools: tuple[dict[str, Any], ...]  # OpenAI's tool objects, for the chat template
+    grammar: GrammarSpec  # the array of calls the model writes after the marker
+
+    @property
+    def starts_with_call(self) -> bool:
+        """Whether the answer is calls from its first token (the marker ends the prompt)."""
+        return self.mode != "auto"
+
+
+def _fail(message: str, field: str) -> InvalidRequest:
+    return InvalidRequest(message, field=field, stage="admission")
+
+
+def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _has_local_ref(value: Any) -> bool:
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in value.values())
+    return isinstance(value, list) and any(_has_local_ref(v) for v in value)
+
+
+def _rebased(value: Any, prefix: str) -> Any:
+    """``value`` with every local ``$ref`` (``#/definitions/x``, ``#``) pointing under ``prefix``."""
+    if isinstance(value, dict):
+        return {
+            k: prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, prefix)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_rebased(v, prefix) for v in value]
+    return value
+
+
+def _calls_schema(functions: list[tuple[str, dict[str, Any] | None]], *, single: bool) -> dict[str, Any]:
+    """The call array. A function's parameters with local ``$ref``s (``#/definitions/x`` means its own
+    root) move under ``$defs`` of the array's schema, their refs re-pointed there."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, parameters in functions:
+        arguments = parameters if parameters is not None else _NO_PARAMETERS
+        if _has_local_ref(arguments):
+            # an $id would make its refs resolve against another base than the one they are moved to
+            moved = {k: v for k, v in arguments.items() if k not in ("$id", "$schema")}
+            defs[name] = _rebased(moved, f"#/$defs/{name}")
+            arguments = {"$ref": f"#/$defs/{name}"}
+        calls.append(_call_schema(name, arguments))
+    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema["minItems"] = 1
+    if single:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def plan_tools(body: ChatCompletionRequest, has_other_constraint: bool) -> ToolPlan | None:
+    """The plan for ``body``'s tools; None when the answer is plain text (no tools, or ``none``).
+
+    :raises InvalidRequest: a choice naming an unknown function, duplicate names, tool_choice
+        without tools, or tools beside another structured-output constraint.
+    """
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise _fail("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    names = [tool.function.name for tool in body.tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise _fail(f"two tools are named {name!r}", f"tools[{i}].function.name")
+    for i, tool in enumerate(body.tools):
+        parameters = tool.function.parameters
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise _fail("a function's parameters must be an object schema", f"tools[{i}].function.parameters")
+    if has_other_constraint:
+        raise _fail("tools cannot be combined with another structured-output constraint", "tool_choice")
+    functions = [(tool.function.name, tool.function.parameters) for tool in body.tools]
+    mode: ToolMode = "auto" if choice in (None, "auto") else "required"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise _fail(f"no tool is named {choice.function.name!r}", "tool_choice.function.name")
+        functions = [f for f in functions if f[0] == choice.function.name]
+        mode = "named"
+    single = mode == "named" or body.parallel_tool_calls is False
+    schema = _calls_schema(functions, single=single)
+    tools = tuple(_tool_json(tool.function) for tool in body.tools)
+    return ToolPlan(mode, tools, GrammarSpec("json_schema", schema, field="tools"))
+
+
+def _tool_json(function: Any) -> dict[str, Any]:
+    described = {"name": function.name}
+    if function.description is not None:
+        described["description"] = function.description
+    described["parameters"] = function.parameters if function.parameters is not None else _NO_PARAMETERS
+    return {"type": "function", "function": described}
+
+
+def new_call_id() -> str:
+    """A fresh tool-call id: 9 letters and digits, as the Mistral template requires."""
+    return "".join(secrets.choice(_ALPHABET) for _ in range(_ID_LENGTH))
+
+
+def template_call_id(call_id: str) -> str:
+    """``call_id`` as the template takes it: itself when it is 9 letters and digits, else a stable
+    9-character digest of it (a call and its result map to the same one)."""
+    if len(call_id) == _ID_LENGTH and all(c in _ALPHABET for c in call_id):
+        return call_id
+    digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    chars = []
+    for _ in range(_ID_LENGTH):
+        digest, rest = divmod(digest, len(_ALPHABET))
+        chars.append(_ALPHABET[rest])
+    return "".join(chars)

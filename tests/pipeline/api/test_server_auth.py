@@ -1,0 +1,77 @@
+"""API keys with the real ``openai`` client: ``/v1/*`` needs the key; probes stay open unless asked."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+
+from pipeline import PipelineConfig
+from pipeline.api.auth import API_KEY_ENV, resolve_api_key
+from pipeline.api.server import create_app
+from pipeline.core.pipeline import Pipeline
+from tests.servers import serving
+
+KEY = "sk-test-0123456789"
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, served_model_names=("m",))
+    async with Pipeline(config) as pipe:
+        yield pipe
+
+
+async def test_v1_needs_the_key_in_openai_shape(pipe: Pipeline) -> None:
+    async with serving(create_app(pipe, api_key=KEY)) as base:
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0) as client:
+            out = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+            assert out.choices[0].finish_reason in ("stop", "length")
+            stream = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1, stream=True)  # type: ignore[arg-type]
+            assert [chunk async for chunk in stream]
+            assert [m.id for m in (await client.models.list()).data] == ["m"]
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError) as info:
+                await wrong.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+            assert isinstance(info.value.body, dict) and info.value.body["code"] == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.models.list()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES}) as resp:
+                assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+                error = (await resp.json())["error"]
+                assert (error["type"], error["code"], error["param"]) == (
+                    "invalid_request_error",
+                    "invalid_api_key",
+                    "Authorization",
+                )
+            for path in ("/health", "/metrics", "/openapi.json"):
+                async with session.get(f"{base}{path}") as resp:
+                    assert resp.status != 401, path
+
+
+async def test_probes_can_be_protected_too(pipe: Pipeline) -> None:
+    async with serving(create_app(pipe, api_key=KEY, protect_all=True)) as base, aiohttp.ClientSession() as session:
+        for path in ("/health", "/metrics"):
+            async with session.get(f"{base}{path}") as resp:
+                assert resp.status == 401
+            async with session.get(f"{base}{path}", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                assert resp.status == 200
+
+
+def test_the_key_comes_from_the_command_line_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert resolve_api_key(None) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key(None) == "from-env"
+    assert resolve_api_key("from-cli") == "from-cli"
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert resolve_api_key(None) is None

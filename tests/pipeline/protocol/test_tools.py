@@ -1,0 +1,128 @@
+"""Tool plans from tools/tool_choice, template ids, and the call reader against whole and chunked answers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from pipeline.errors import InvalidRequest
+from pipeline.protocol.bodies import ChatCompletionRequest
+from pipeline.protocol.tool_calls import CallReader, CallStart
+from pipeline.protocol.tools import new_call_id, plan_tools, template_call_id
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def body(**fields: Any) -> ChatCompletionRequest:
+    return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
+
+
+def test_plans_per_tool_choice() -> None:
+    assert plan_tools(body(), False) is None
+    assert plan_tools(body(tools=[WEATHER], tool_choice="none"), False) is None
+    auto = plan_tools(body(tools=[WEATHER, TIME]), False)
+    assert auto is not None and auto.mode == "auto" and not auto.starts_with_call
+    schema = auto.grammar.value
+    jsonschema.validate(
+        [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}], schema
+    )
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "arguments": {"x": 1}}], schema)  # no parameters: exactly {}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
+    named = plan_tools(
+        body(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), False
+    )
+    assert named is not None and named.mode == "named" and named.starts_with_call
+    with pytest.raises(jsonschema.ValidationError):  # one call, to that function alone
+        jsonschema.validate([{"name": "get_weather", "arguments": {"city": "x"}}], named.grammar.value)
+    single = plan_tools(body(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False), False)
+    assert single is not None and single.grammar.value["maxItems"] == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "other", "where"),
+    [
+        ({"tool_choice": "required"}, False, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, False, "tools[1].function.name"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            False,
+            "tool_choice.function.name",
+        ),
+        ({"tools": [WEATHER]}, True, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            False,
+            "tools[0].function.parameters",
+        ),
+    ],
+)
+def test_bad_tool_requests_name_the_field(fields: dict[str, Any], other: bool, where: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        plan_tools(body(**fields), other)
+    assert caught.value.field == where
+
+
+def test_call_ids_fit_the_template() -> None:
+    fresh = new_call_id()
+    assert len(fresh) == 9 and fresh.isalnum() and template_call_id(fresh) == fresh
+    mapped = template_call_id("call_abc123-long-id")
+    assert len(mapped) == 9 and mapped.isalnum() and mapped == template_call_id("call_abc123-long-id")
+
+
+ANSWER = (
+    '[{"name": "get_weather", "arguments": {"city": "O\\"slo {x}", "n": [1, {"a": 2}]}}, '
+    '{"name": "get_time", "arguments": {}}]'
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, len(ANSWER)])
+def test_the_reader_gives_names_first_and_the_exact_arguments_in_any_chunks(size: int) -> None:
+    reader = CallReader()
+    events = []
+    for i in range(0, len(ANSWER), size):
+        events += reader.feed(ANSWER[i : i + size])
+    expected = [(c["name"], json.dumps(c["arguments"])) for c in json.loads(ANSWER)]
+    assert [(c.name, c.arguments) for c in reader.calls] == expected
+    starts = [e for e in events if isinstance(e, CallStart)]
+    assert [s.name for s in starts] == ["get_weather", "get_time"]
+    for index, (_, arguments) in enumerate(expected):  # fragments come after their call's start
+        first = events.index(starts[index])
+        fragments = [e[1] for e in events[first:] if isinstance(e, tuple) and e[0] == index]
+        assert "".join(fragments) == arguments
+
+
+def test_parameters_with_local_refs_keep_their_meaning(grammar_compilers: tuple[Any, Any]) -> None:
+    """``#/definitions/x`` in a function's parameters means its own root, not the call array's."""
+    parameters = {
+        "$id": "https://example.com/p.json",
+        "type": "object",
+        "definitions": {
+            "unit": {"enum": ["C", "F"]},
+            "node": {"type": "object", "properties": {"next": {"$ref": "#"}}},
+        },
+        "properties": {"unit": {"$ref": "#/definitions/unit"}, "tree": {"$ref": "#/definitions/node"}},
+        "required": ["unit"],
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    plan = plan_tools(body(tools=[tool, TIME], tool_choice="required"), False)
+    assert plan is not None
+    schema = plan.grammar.value
+    jsonschema.validate([{"name": "f", "arguments": {"unit": "C", "tree": {"next": {"unit": "F"}}}}], schema)
+    for bad in ({"unit": "K"}, {"unit": "C", "tree": {"next": {"unit": 1}}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "f", "arguments": bad}], schema)
+    for compiler in grammar_compilers:  # both backends resolve the moved refs
+        assert compiler.compile(plan.grammar).grammar is not None
