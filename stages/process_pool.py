@@ -156,7 +156,9 @@ class _Worker:
         process.join(timeout_s)
         if process.is_alive():
             process.kill()
-            process.join(timeout_s)
+            # SIGKILL cannot be refused, but a process in uninterruptible I/O (a loaded machine paging
+            # torch in) dies only when the I/O ends: wait for it, or close() below raises ValueError
+            process.join()
         code = process.exitcode
         process.close()
         return code
