@@ -18,6 +18,7 @@ from aiohttp import web
 from pipeline.observability.trace import Tracer
 
 __all__ = [
+    "DistinctImages",
     "ImageServer",
     "children_cpu_seconds",
     "jpeg_bytes",
@@ -132,21 +133,62 @@ def jpeg_data_url(jpeg: bytes) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
 
 
-class ImageServer:
-    """Serves one image at /image.jpg on 127.0.0.1 (the http-image half of a burst)."""
+class DistinctImages:
+    """JPEGs of one size that all differ (a box of another colour at another place on one noise
+    background), so no two requests of a burst share an encoder-cache entry: preparation runs for each.
+    """
 
-    def __init__(self, body: bytes, content_type: str = "image/jpeg") -> None:
-        self.body, self.content_type = body, content_type
+    def __init__(self, width: int = 1024, height: int = 768, seed: int = 0) -> None:
+        from PIL import Image
+
+        self.width, self.height, self.seed = width, height, seed
+        self._background = Image.effect_noise((width, height), 40).convert("RGB")
+        self._cache: dict[int, bytes] = {}
+
+    def jpeg(self, index: int) -> bytes:
+        """The ``index``-th image (the same bytes each time it is asked for)."""
+        if index not in self._cache:
+            rng = random.Random(self.seed * 1_000_003 + index)
+            image = self._background.copy()
+            x, y = rng.randrange(self.width // 2), rng.randrange(self.height // 2)
+            colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+            image.paste(colour, (x, y, x + self.width // 3, y + self.height // 3))
+            buf = io.BytesIO()
+            image.save(buf, format="JPEG", quality=90)
+            self._cache[index] = buf.getvalue()
+        return self._cache[index]
+
+    def jpegs(self, start: int, count: int) -> list[bytes]:
+        return [self.jpeg(i) for i in range(start, start + count)]
+
+
+class ImageServer:
+    """Serves images on 127.0.0.1: ``/image.jpg`` (the first) and ``/image/{i}.jpg`` (each of them)."""
+
+    def __init__(self, body: bytes | list[bytes], content_type: str = "image/jpeg") -> None:
+        self.bodies = [body] if isinstance(body, bytes) else list(body)
+        self.content_type = content_type
         self._runner: web.AppRunner | None = None
         self.url = ""
+
+    def url_for(self, index: int) -> str:
+        """The URL of image ``index`` (indexes past the end wrap around)."""
+        return self.url.removesuffix("/image.jpg") + f"/image/{index % len(self.bodies)}.jpg"
 
     async def __aenter__(self) -> ImageServer:
         app = web.Application()
 
-        async def image(_: web.Request) -> web.Response:
-            return web.Response(body=self.body, content_type=self.content_type)
+        async def first(_: web.Request) -> web.Response:
+            return web.Response(body=self.bodies[0], content_type=self.content_type)
 
-        app.router.add_get("/image.jpg", image)
+        async def nth(request: web.Request) -> web.Response:
+            index = int(request.match_info["index"])
+            if not 0 <= index < len(self.bodies):
+                raise web.HTTPNotFound()
+            return web.Response(body=self.bodies[index], content_type=self.content_type)
+
+        app.router.add_get("/image.jpg", first)
+        app.router.add_get("/image/{index:\\d+}.jpg", nth)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

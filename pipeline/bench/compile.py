@@ -19,7 +19,7 @@ import anyio
 from tqdm import tqdm
 
 from pipeline.bench.common import (
-    jpeg_bytes,
+    DistinctImages,
     jpeg_data_url,
     load_average,
     machine,
@@ -79,8 +79,12 @@ def _grammar(kind: str, i: int) -> dict[str, Any] | None:
     return None if kind == "none" else schema(i, bounded_strings=kind == "bounded")
 
 
-async def _measure(backend: str, repeats: int, data_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """TTFT of each kind of request (seconds), the backend that served each, and cache hits (ms)."""
+async def _measure(backend: str, repeats: int, data_urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT of each kind of request (seconds), the backend that served each, and cache hits (ms).
+
+    Every request carries an image of its own (``data_urls``, never reused within one pipeline), so
+    its preparation runs whole beside the compile, as a new image's would."""
+    images = iter(data_urls)
     ttft: dict[str, list[float]] = {kind: [] for kind in KINDS}
     served: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS if kind != "none"}
     hits: list[float] = []
@@ -88,11 +92,11 @@ async def _measure(backend: str, repeats: int, data_url: str, args: argparse.Nam
     async with Pipeline(PipelineConfig(grammar_backend=backend), tracer=tracer_for(args)) as pipe:
         grammar = pipe.preparation.grammar
         for kind in KINDS:  # warm-up: the first image, the first compile of each backend
-            await (await pipe.submit(_body(data_url, _grammar(kind, offset - 1)))).result()
+            await (await pipe.submit(_body(next(images), _grammar(kind, offset - 1)))).result()
             await grammar.wait_idle()
         for i in tqdm(range(repeats), desc=f"compile {backend}", file=sys.stderr):
             for kind in KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]:
-                result = await (await pipe.submit(_body(data_url, _grammar(kind, offset + i)))).result()
+                result = await (await pipe.submit(_body(next(images), _grammar(kind, offset + i)))).result()
                 ttft[kind].append(result.timings["first_token"])
                 if kind != "none":
                     served[kind][result.grammar_backend or "?"] += 1
@@ -130,11 +134,15 @@ def _served(counts: dict[str, int]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     load = [load_average()]
-    data_url = jpeg_data_url(jpeg_bytes())
-    runs = {backend: anyio.run(_measure, backend, args.repeats, data_url, args) for backend in backends}
+    jpegs = DistinctImages().jpegs(0, len(KINDS) * (1 + args.repeats))
+    data_urls = [jpeg_data_url(j) for j in jpegs]
+    runs = {backend: anyio.run(_measure, backend, args.repeats, data_urls, args) for backend in backends}
     results = [_summary(backend, r) for backend, r in runs.items()]
     load.append(load_average())
-    print(f"\ncompile: image request, max_tokens=1, {args.repeats} repeats, {machine()}, load {load[0]} -> {load[1]}")
+    print(
+        f"\ncompile: image request (a distinct image each), max_tokens=1, {args.repeats} repeats, "
+        f"{machine()}, load {load[0]} -> {load[1]}"
+    )
     print("(auto: the dispatch table and the xgrammar budget choose per request; the others are forced)")
     rows = []
     for r in results:

@@ -1,5 +1,9 @@
 """health: /health latency while a burst of image requests is prepared, against an inline baseline.
 
+Two bursts per server: every request with an image of its own (``distinct``: each is fetched,
+decoded, processed and encoded) and every request with one image (``repeated``: after the first,
+encoder-cache hits, so what remains is the server's own work per request).
+
 The server runs in its own process; the burst and the probe run in this one, the probe on its own
 thread, event loop and connection pool, so it neither queues behind the burst's connections nor
 measures this process's JSON encoding.
@@ -20,8 +24,8 @@ import aiohttp
 from tqdm import tqdm
 
 from pipeline.bench.common import (
+    DistinctImages,
     ImageServer,
-    jpeg_bytes,
     jpeg_data_url,
     load_average,
     machine,
@@ -36,6 +40,7 @@ __all__ = ["add_arguments", "run"]
 # the pipeline as configured (preparation in worker processes); preparation in its bounded threads;
 # a thread per request (unbounded pool); all on the loop
 MODES = ("pipeline", "threads", "unbounded", "inline")
+IMAGES = ("distinct", "repeated")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-interval-ms", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="folder for the JSON figures and a PNG plot")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="passed to every server")
+    parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
 
 
 class _Server:
@@ -103,11 +109,11 @@ async def _burst(base: str, bodies: list[bytes]) -> tuple[float, int]:
         return time.perf_counter() - started, sum(1 for s in statuses if s == 200)
 
 
-def _bodies(burst: int, jpeg: bytes, http_url: str) -> list[bytes]:
-    data_url = jpeg_data_url(jpeg)
+def _bodies(jpegs: list[bytes], urls: list[str]) -> list[bytes]:
+    """One request per image: even ones carry it as base64, odd ones as its http URL."""
     out = []
-    for i in range(burst):
-        url = data_url if i % 2 == 0 else http_url
+    for i, (jpeg, http_url) in enumerate(zip(jpegs, urls, strict=True)):
+        url = jpeg_data_url(jpeg) if i % 2 == 0 else http_url
         content = [{"type": "text", "text": f"Describe image {i}."}, {"type": "image_url", "image_url": {"url": url}}]
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
         out.append(json.dumps(body).encode())
@@ -137,18 +143,22 @@ def _measure(base: str, bodies: list[bytes], interval: float) -> dict[str, float
 class _ImagesThread:
     """The local image server on its own thread and loop, so the burst's client does not slow it."""
 
-    def __init__(self, jpeg: bytes) -> None:
+    def __init__(self, jpegs: list[bytes]) -> None:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.url = ""
-        self._thread = threading.Thread(target=asyncio.run, args=(self._main(jpeg),), daemon=True)
+        self._server = ImageServer(jpegs)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
         self._thread.start()
         self._ready.wait()
 
-    async def _main(self, jpeg: bytes) -> None:
+    def url_for(self, index: int) -> str:
+        return self._server.url_for(index)
+
+    async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        async with ImageServer(jpeg) as server:
+        async with self._server as server:
             self.url = server.url
             self._ready.set()
             await self._stop.wait()
@@ -159,81 +169,108 @@ class _ImagesThread:
         self._thread.join()
 
 
+def _burst_bodies(args: argparse.Namespace, images: _ImagesThread, jpegs: list[bytes]) -> dict[str, list[list[bytes]]]:
+    """Per image kind, the bodies of each repeat: distinct images never repeat across runs (the
+    server's encoder cache lives as long as the server); image 0 is the repeated one."""
+    burst = args.burst
+    distinct = [
+        _bodies(jpegs[1 + r * burst : 1 + (r + 1) * burst], [images.url_for(1 + r * burst + i) for i in range(burst)])
+        for r in range(args.repeats)
+    ]
+    repeated = _bodies([jpegs[0]] * burst, [images.url_for(0)] * burst)
+    return {"distinct": distinct, "repeated": [repeated] * args.repeats}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    jpeg = jpeg_bytes()
-    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    kinds = [k.strip() for k in args.images.split(",") if k.strip()]
+    if not kinds or any(k not in IMAGES for k in kinds):
+        raise SystemExit(f"--images: choose from {', '.join(IMAGES)}")
+    jpegs = DistinctImages().jpegs(0, 1 + args.burst * args.repeats)
+    results: dict[tuple[str, str], list[dict[str, float]]] = {(m, k): [] for m in MODES for k in kinds}
     load_before = load_average()
 
-    images = _ImagesThread(jpeg)
-    with tqdm(total=len(MODES) * (args.repeats + 1), desc="health", file=sys.stderr) as progress:
-        bodies = _bodies(args.burst, jpeg, images.url)
+    images = _ImagesThread(jpegs)
+    with tqdm(total=len(MODES) * (len(kinds) * args.repeats + 1), desc="health", file=sys.stderr) as progress:
+        bodies = _burst_bodies(args, images, jpegs)
         try:
             for mode in MODES:
                 trace = args.trace if mode == "pipeline" else None
                 extra = ("--switch-interval-ms", str(args.switch_interval_ms)) if args.switch_interval_ms else ()
                 server = _Server(mode, burst=args.burst, trace=trace, extra=extra)
                 try:
-                    _measure(server.base, bodies[:4], args.probe_interval_ms / 1000)  # warm-up
+                    _measure(server.base, bodies["repeated"][0][:4], args.probe_interval_ms / 1000)  # warm-up
                     progress.update()
-                    for _ in range(args.repeats):
-                        results[mode].append(_measure(server.base, bodies, args.probe_interval_ms / 1000))
-                        progress.update()
+                    for r in range(args.repeats):
+                        for kind in kinds:
+                            results[mode, kind].append(
+                                _measure(server.base, bodies[kind][r], args.probe_interval_ms / 1000)
+                            )
+                            progress.update()
                 finally:
                     server.stop()
         finally:
             images.stop()
 
-    def summary(mode: str) -> dict[str, float]:
-        runs = results[mode]
+    def summary(mode: str, kind: str) -> dict[str, float]:
+        runs = results[mode, kind]
         return {k: median([r[k] for r in runs]) for k in ("p50_ms", "p99_ms", "max_ms", "req_per_s", "ok")}
 
-    ours, threads = summary("pipeline"), summary("threads")
-    base, pool = summary("inline"), summary("unbounded")
+    labels = {
+        "pipeline": "pipeline (worker processes)",
+        "threads": "bounded threads",
+        "unbounded": "unbounded threads",
+        "inline": "inline baseline",
+    }
     print(
         f"\nhealth: burst of {args.burst} image requests (1024x768 JPEG, half base64, half http), "
         f"median of {args.repeats} runs, {machine()}, load {load_before} -> {load_average()}"
     )
-    print_table(
-        ["server", "p50 ms", "p99 ms", "max ms", "req/s", "ok"],
-        [
-            [m, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])]
-            for m, s in (
-                ("pipeline (worker processes)", ours),
-                ("bounded threads", threads),
-                ("unbounded threads", pool),
-                ("inline baseline", base),
-            )
-        ],
-    )
-    print("(targets for the pipeline: p99 <= 5 ms, max <= 25 ms, req/s >= bounded threads')")
+    rows = []
+    for kind in kinds:
+        for mode in MODES:
+            s = summary(mode, kind)
+            rows.append([labels[mode], kind, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])])
+    print_table(["server", "images", "p50 ms", "p99 ms", "max ms", "req/s", "ok"], rows)
+    print("(targets for the pipeline, both image kinds: p99 <= 5 ms, max <= 25 ms, req/s >= bounded threads')")
+
+    def figures_of(kind: str) -> dict[str, float]:
+        ours, threads = summary("pipeline", kind), summary("threads", kind)
+        base, pool = summary("inline", kind), summary("unbounded", kind)
+        return {
+            "p50_ms": round(ours["p50_ms"], 3),
+            "p99_ms": round(ours["p99_ms"], 3),
+            "max_ms": round(ours["max_ms"], 3),
+            "req_per_s": round(ours["req_per_s"], 2),
+            "threads_p50_ms": round(threads["p50_ms"], 3),
+            "threads_p99_ms": round(threads["p99_ms"], 3),
+            "threads_max_ms": round(threads["max_ms"], 3),
+            "threads_req_per_s": round(threads["req_per_s"], 2),
+            "baseline_p50_ms": round(base["p50_ms"], 3),
+            "baseline_p99_ms": round(base["p99_ms"], 3),
+            "baseline_max_ms": round(base["max_ms"], 3),
+            "baseline_req_per_s": round(base["req_per_s"], 2),
+            "unbounded_p99_ms": round(pool["p99_ms"], 3),
+            "unbounded_max_ms": round(pool["max_ms"], 3),
+            "unbounded_req_per_s": round(pool["req_per_s"], 2),
+        }
+
+    per_kind = {kind: figures_of(kind) for kind in kinds}
     figures = {
         "scenario": "health",
         "burst": args.burst,
-        "p50_ms": round(ours["p50_ms"], 3),
-        "p99_ms": round(ours["p99_ms"], 3),
-        "max_ms": round(ours["max_ms"], 3),
-        "req_per_s": round(ours["req_per_s"], 2),
-        "threads_p50_ms": round(threads["p50_ms"], 3),
-        "threads_p99_ms": round(threads["p99_ms"], 3),
-        "threads_max_ms": round(threads["max_ms"], 3),
-        "threads_req_per_s": round(threads["req_per_s"], 2),
-        "baseline_p50_ms": round(base["p50_ms"], 3),
-        "baseline_p99_ms": round(base["p99_ms"], 3),
-        "baseline_max_ms": round(base["max_ms"], 3),
-        "baseline_req_per_s": round(base["req_per_s"], 2),
-        "unbounded_p99_ms": round(pool["p99_ms"], 3),
-        "unbounded_max_ms": round(pool["max_ms"], 3),
-        "unbounded_req_per_s": round(pool["req_per_s"], 2),
+        "images": kinds[0],
+        **per_kind[kinds[0]],
+        "by_images": per_kind,
         "repeats": args.repeats,
         "machine": machine(),
     }
 
     def plot(ax: Any) -> None:
         for mode, style in (("pipeline", "-"), ("threads", "-."), ("unbounded", "--"), ("inline", ":")):
-            samples: list[tuple[float, float]] = results[mode][-1]["samples"]  # type: ignore[assignment]
+            samples: list[tuple[float, float]] = results[mode, kinds[0]][-1]["samples"]  # type: ignore[assignment]
             t0 = samples[0][0]
             ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)
-        ax.set_xlabel("seconds since the probe started")
+        ax.set_xlabel(f"seconds since the probe started ({kinds[0]} images)")
         ax.set_ylabel("/health latency (ms)")
         ax.set_yscale("log")
         ax.legend()

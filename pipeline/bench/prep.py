@@ -12,16 +12,16 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 from tqdm import tqdm
 
 from pipeline.bench.common import (
+    DistinctImages,
     ImageServer,
     children_cpu_seconds,
-    jpeg_bytes,
     jpeg_data_url,
     load_average,
     machine,
@@ -45,10 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None)
 
 
-def _body(kind: str, i: int, data_url: str, http_url: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Images:
+    """Every image of a run as base64 and as an http URL: image ``i`` goes to request ``i`` alone, so
+    none is an encoder-cache hit and each request's preparation runs whole."""
+
+    data_urls: list[str]
+    http_urls: list[str]
+
+
+def _body(kind: str, i: int, images: _Images) -> dict[str, Any]:
     content: list[dict[str, Any]] = [{"type": "text", "text": f"Describe picture number {i} in detail."}]
     if kind != "text":
-        content.append({"type": "image_url", "image_url": {"url": data_url if kind == "base64" else http_url}})
+        url = images.data_urls[i] if kind == "base64" else images.http_urls[i]
+        content.append({"type": "image_url", "image_url": {"url": url}})
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
 
 
@@ -67,12 +77,12 @@ def _cpu(pipe: Pipeline) -> float:
     return time.process_time() + (children_cpu_seconds(pool.pids()) if pool is not None else 0.0)
 
 
-async def _one_run(pipe: Pipeline, kind: str, n: int, data_url: str, http_url: str) -> dict[str, float]:
+async def _one_run(pipe: Pipeline, kind: str, n: int, images: _Images, first: int) -> dict[str, float]:
     cpu_before, stages_before = _cpu(pipe), _stage_cpu(pipe)
     started = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(n):
-            tg.start_soon(pipe.prepare, _body(kind, i, data_url, http_url))
+            tg.start_soon(pipe.prepare, _body(kind, first + i, images))
     wall = time.perf_counter() - started
     cpu = _cpu(pipe) - cpu_before
     stages = {k: (v - stages_before[k]) / n for k, v in _stage_cpu(pipe).items()}
@@ -87,24 +97,25 @@ async def _one_run(pipe: Pipeline, kind: str, n: int, data_url: str, http_url: s
     }
 
 
-async def _measure(config: PipelineConfig, args: argparse.Namespace, urls: tuple[str, str], progress: Any) -> dict:
+async def _measure(config: PipelineConfig, args: argparse.Namespace, images: _Images, progress: Any) -> dict:
     out: dict[str, dict[str, float]] = {}
     async with Pipeline(config, with_engine=False, tracer=tracer_for(args)) as pipe:
+        workers = config.num_prep_workers()
         async with anyio.create_task_group() as tg:  # warm-up: every worker started
-            for i in range(config.num_prep_workers()):
-                tg.start_soon(pipe.prepare, _body("base64", i, *urls))
+            for i in range(workers):
+                tg.start_soon(pipe.prepare, _body("base64", i, images))
+        first = workers  # images are never reused within one pipeline (its encoder cache would hit)
         for kind in KINDS:
             runs = []
             for _ in range(args.repeats):
-                runs.append(await _one_run(pipe, kind, args.requests, *urls))
+                runs.append(await _one_run(pipe, kind, args.requests, images, first))
+                first += args.requests
                 progress.update()
             out[kind] = {key: median([r[key] for r in runs]) for key in runs[0]}
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    jpeg = jpeg_bytes()
-    data_url = jpeg_data_url(jpeg)
     base = PipelineConfig(allow_private_networks=True, max_pending_requests=4096, stage_queue_size=4096)
     if args.vision_threads is not None:
         base = replace(base, vision_encode_threads=args.vision_threads)
@@ -116,15 +127,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     load_before = load_average()
 
+    num_images = max(c.num_prep_workers() for c in setups.values()) + len(KINDS) * args.repeats * args.requests
+    jpegs = DistinctImages().jpegs(0, num_images)
+
     async def main() -> dict[str, Any]:
-        async with ImageServer(jpeg) as images:
-            urls = (data_url, images.url)
+        async with ImageServer(jpegs) as server:
+            images = _Images([jpeg_data_url(j) for j in jpegs], [server.url_for(i) for i in range(num_images)])
             with tqdm(total=len(setups) * len(KINDS) * args.repeats, desc="prep", file=sys.stderr) as progress:
-                return {name: await _measure(config, args, urls, progress) for name, config in setups.items()}
+                return {name: await _measure(config, args, images, progress) for name, config in setups.items()}
 
     result = anyio.run(main)
     print(
-        f"\nprep: {args.requests} concurrent requests per kind, median of {args.repeats} runs, "
+        f"\nprep: {args.requests} concurrent requests per kind (each image distinct), median of {args.repeats} runs, "
         f"vision_encode_threads={base.vision_encode_threads}, {machine()}, load {load_before} -> {load_average()}"
     )
     headers = ["kind", "setup", "req/s", "CPU ms/req", "decode", "template", "vision", "loop+other", "efficiency"]

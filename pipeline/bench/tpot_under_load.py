@@ -3,6 +3,10 @@
 The decode loop runs on its own thread. Image preparation runs in worker processes at low priority
 (process mode) or in worker threads of the same interpreter (thread mode); both modes run in one
 invocation, so their ratios compare like with like. On this machine everything shares two cores.
+
+Two bursts per mode: every request with an image of its own (``distinct``: each is decoded,
+processed and encoded) and every request with one image (``repeated``: encoder-cache hits after the
+first, so what remains is the serving process's own work per request).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import anyio
 from tqdm import tqdm
 
 from pipeline.bench.common import (
-    jpeg_bytes,
+    DistinctImages,
     jpeg_data_url,
     load_average,
     machine,
@@ -31,6 +35,8 @@ from pipeline.core.pipeline import Pipeline
 
 __all__ = ["add_arguments", "run"]
 
+IMAGES = ("distinct", "repeated")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decodes", type=int, default=4, help="running decode requests")
@@ -38,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", type=int, default=64, help="image requests prepared meanwhile")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="process,thread", help="preparation modes, comma-separated")
+    parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
     parser.add_argument("--out", default=None)
 
 
@@ -66,18 +73,22 @@ async def _decode_gaps(
     return [(t, g) for t, g in gaps if not window or window[0] <= t <= end]
 
 
-async def _burst(pipe: Pipeline, data_url: str, n: int, window: list[float], ready: anyio.Event) -> None:
+def _image_body(data_url: str) -> dict[str, Any]:
+    content = [{"type": "text", "text": "Describe."}, {"type": "image_url", "image_url": {"url": data_url}}]
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+async def _burst(pipe: Pipeline, data_urls: list[str], window: list[float], ready: anyio.Event) -> None:
     await ready.wait()
     window.append(time.perf_counter())
-    content = [{"type": "text", "text": "Describe."}, {"type": "image_url", "image_url": {"url": data_url}}]
     async with anyio.create_task_group() as tg:
-        for _ in range(n):
-            tg.start_soon(pipe.prepare, {"messages": [{"role": "user", "content": content}]})
+        for data_url in data_urls:
+            tg.start_soon(pipe.prepare, _image_body(data_url))
     window.append(time.perf_counter())
 
 
 async def _loaded_run(
-    pipe: Pipeline, args: argparse.Namespace, data_url: str
+    pipe: Pipeline, args: argparse.Namespace, data_urls: list[str]
 ) -> tuple[list[tuple[float, float]], list[float]]:
     """The same decodes, with the image burst started once they are all producing tokens; the
     gaps inside the burst, and the burst's start and end."""
@@ -90,48 +101,71 @@ async def _loaded_run(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(decodes)
-        tg.start_soon(_burst, pipe, data_url, args.burst, window, decoding)
+        tg.start_soon(_burst, pipe, data_urls, window, decoding)
     return loaded, window
 
 
 async def warm_up(pipe: Pipeline, data_url: str) -> None:
     """Model loaded and every preparation worker started, before any clock starts."""
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}}]}]}
     async with anyio.create_task_group() as tg:
         for _ in range(pipe.config.num_prep_workers()):
-            tg.start_soon(pipe.prepare, body)
+            tg.start_soon(pipe.prepare, _image_body(data_url))
 
 
-async def _measure(mode: str, args: argparse.Namespace, data_url: str) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": []}
+async def _measure(
+    mode: str, args: argparse.Namespace, bursts: dict[str, list[list[str]]], warm_url: str
+) -> dict[str, dict[str, list[float]]]:
+    """Per image kind: idle and loaded TPOT medians and gaps, and the burst's requests/s."""
+    out: dict[str, dict[str, list[float]]] = {
+        kind: {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": []} for kind in bursts
+    }
     config = PipelineConfig(max_pending_requests=1024, stage_queue_size=1024, preparation_mode=mode)
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
-        await warm_up(pipe, data_url)
-        for _ in tqdm(range(args.repeats), desc=f"tpot-under-load {mode}", file=sys.stderr):
-            idle = await _decode_gaps(pipe, args.decodes, args.tokens, [])
-            loaded, window = await _loaded_run(pipe, args, data_url)
-            out["idle"].append(median([g for _, g in idle]))
-            out["load"].append(median([g for _, g in loaded]) if loaded else float("nan"))
-            out["idle_gaps"] += [g for _, g in idle]
-            out["load_gaps"] += [g for _, g in loaded]
-            out["burst_rps"].append(args.burst / (window[1] - window[0]))
+        await warm_up(pipe, warm_url)
+        for r in tqdm(range(args.repeats), desc=f"tpot-under-load {mode}", file=sys.stderr):
+            for kind, runs in bursts.items():
+                res = out[kind]
+                idle = await _decode_gaps(pipe, args.decodes, args.tokens, [])
+                loaded, window = await _loaded_run(pipe, args, runs[r])
+                res["idle"].append(median([g for _, g in idle]))
+                res["load"].append(median([g for _, g in loaded]) if loaded else float("nan"))
+                res["idle_gaps"] += [g for _, g in idle]
+                res["load_gaps"] += [g for _, g in loaded]
+                res["burst_rps"].append(args.burst / (window[1] - window[0]))
     return out
 
 
+def _bursts(args: argparse.Namespace, kinds: list[str]) -> tuple[dict[str, list[list[str]]], str]:
+    """Each repeat's data URLs per image kind (distinct images never repeat within a pipeline's
+    life, whose encoder cache would hit them), and the warm-up's image (the repeated one)."""
+    images = DistinctImages()
+    urls = [jpeg_data_url(j) for j in images.jpegs(0, 1 + args.burst * args.repeats)]
+    every = {
+        "distinct": [urls[1 + r * args.burst : 1 + (r + 1) * args.burst] for r in range(args.repeats)],
+        "repeated": [[urls[0]] * args.burst for _ in range(args.repeats)],
+    }
+    return {kind: every[kind] for kind in kinds}, urls[0]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_url = jpeg_data_url(jpeg_bytes())
+    kinds = [k.strip() for k in args.images.split(",") if k.strip()]
+    if not kinds or any(k not in IMAGES for k in kinds):
+        raise SystemExit(f"--images: choose from {', '.join(IMAGES)}")
+    bursts, warm_url = _bursts(args, kinds)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     load_before = load_average()
-    results = {mode: anyio.run(_measure, mode, args, data_url) for mode in modes}
+    results = {mode: anyio.run(_measure, mode, args, bursts, warm_url) for mode in modes}
     print(
         f"\ntpot-under-load: {args.decodes} decodes of {args.tokens} tokens, burst of {args.burst} image "
-        f"requests, median of {args.repeats}, {machine()}, load {load_before} -> {load_average()}"
+        f"requests (distinct: an image each; repeated: one image),"
+        f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()}"
     )
     rows, per_mode = [], {}
-    for mode, res in results.items():
+    for mode, kind in ((m, k) for m in results for k in kinds):
+        res = results[mode][kind]
         idle, load = median(res["idle"]), median(res["load"])
         idle_p99, load_p99 = percentile(res["idle_gaps"], 99), percentile(res["load_gaps"], 99)
-        per_mode[mode] = {
+        per_mode[f"{mode}/{kind}"] = {
             "tpot_ms_idle": round(idle * 1000, 3),
             "tpot_ms_load": round(load * 1000, 3),
             "tpot_p99_ms_idle": round(idle_p99 * 1000, 3),
@@ -140,10 +174,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p99_ratio": round(load_p99 / idle_p99, 3),
             "burst_req_per_s": round(median(res["burst_rps"]), 2),
         }
-        m = per_mode[mode]
+        m = per_mode[f"{mode}/{kind}"]
         rows.append(
             [
                 mode,
+                kind,
                 idle * 1000,
                 idle_p99 * 1000,
                 load * 1000,
@@ -154,24 +189,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ]
         )
     print_table(
-        ["mode", "idle p50 ms", "idle p99 ms", "burst p50 ms", "burst p99 ms", "p50 ratio", "p99 ratio", "burst req/s"],
+        [
+            "mode",
+            "images",
+            "idle p50 ms",
+            "idle p99 ms",
+            "burst p50 ms",
+            "burst p99 ms",
+            "p50 ratio",
+            "p99 ratio",
+            "burst req/s",
+        ],
         rows,
     )
-    print("(targets: p50 ratio <= 1.10, p99 ratio <= 1.5)")
+    print("(targets, both image kinds: p50 ratio <= 1.10, p99 ratio <= 1.5)")
     default = PipelineConfig().preparation_mode
-    main = per_mode.get(default) or next(iter(per_mode.values()))
+    main_key = f"{default}/{kinds[0]}" if default in results else f"{modes[0]}/{kinds[0]}"
     figures = {
         "scenario": "tpot-under-load",
-        "mode": default if default in per_mode else modes[0],
-        **main,
+        "mode": main_key.split("/")[0],
+        "images": kinds[0],
+        **per_mode[main_key],
         "modes": per_mode,
         "machine": machine(),
     }
 
     def plot(ax: Any) -> None:
-        for mode, res in results.items():
-            ax.hist([g * 1000 for g in res["load_gaps"]], bins=50, alpha=0.5, label=f"{mode}, during burst")
-        first = next(iter(results.values()))
+        for mode, by_kind in results.items():
+            for kind, res in by_kind.items():
+                ax.hist([g * 1000 for g in res["load_gaps"]], bins=50, alpha=0.5, label=f"{mode}, {kind}, burst")
+        first = next(iter(next(iter(results.values())).values()))
         ax.hist([g * 1000 for g in first["idle_gaps"]], bins=50, alpha=0.5, label="idle")
         ax.set_xlabel("time per output token (ms)")
         ax.legend()
