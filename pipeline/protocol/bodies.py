@@ -7,9 +7,11 @@ and 1.0 ms for ``json.loads`` alone, and msgspec names a failing field as a path
 OpenAPI document (``/openapi.json``) is generated from these types, never written by hand.
 
 Bounds that depend on the configuration (``max_tokens`` against ``max_model_len``, images per
-request) are checked where the configuration is known (``pipeline.protocol.request``). Fields declared here
-but not honoured yet (``tools``, ``logprobs``, penalties, ...) are refused by name there when set
-to anything but their default: a field we do not understand is a 400, never silently dropped.
+request) are checked where the configuration is known (``pipeline.protocol.request``). A key that no
+type here declares is refused (``forbid_unknown_fields``; OpenAI's wording at the top level), and
+the few fields declared but not honoured (a message's ``name``, completions' ``echo`` and
+``suffix``) are refused by name when set: a field we do not understand is a 400, never silently
+dropped.
 The structured-output fields keep their raw JSON values: ``pipeline.protocol.constraints`` reads every
 spelling of them and names the offending sub-field; their shape is documented in the schema.
 """

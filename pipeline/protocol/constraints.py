@@ -1,14 +1,11 @@
-"""Structured-output constraints in every spelling clients bring, and the unknown-field rule.
+"""Structured-output constraints in every spelling clients bring.
 
 A request written for another server must never come back 200 with unconstrained text because
-we did not know its field (rule 7 of the README). So this module does two things:
-
-* ``parse_constraint(body)`` reads every constraint spelling below into one ``GrammarSpec`` whose
-  ``field`` says exactly where the constraint came from, and refuses (400) a request that carries
-  two constraints, whatever their spellings;
-* ``check_unknown_fields(body)`` refuses (400, OpenAI's wording) any top-level field that is
-  neither honoured (``KNOWN_CHAT_FIELDS``) nor on the short allow-list of fields whose being
-  ignored cannot change what the answer must satisfy (``HARMLESS_FIELDS``).
+we did not know its field (rule 7 of the README). So ``parse_constraint(body)`` reads every
+constraint spelling below into one ``GrammarSpec`` whose ``field`` says exactly where the
+constraint came from, and refuses (400) a request that carries two constraints, whatever their
+spellings. A top-level field that no body type declares is refused (400, OpenAI's wording) where
+the body is decoded (``pipeline.protocol.bodies``, ``pipeline.protocol.wire``).
 
 Spellings; the spec's ``field`` is the spelling itself unless given in brackets::
 
@@ -76,13 +73,7 @@ from typing import Any
 from pipeline.errors import InvalidRequest
 from pipeline.types import GrammarKind, GrammarSpec
 
-__all__ = [
-    "CONSTRAINT_FIELDS",
-    "HARMLESS_FIELDS",
-    "KNOWN_CHAT_FIELDS",
-    "check_unknown_fields",
-    "parse_constraint",
-]
+__all__ = ["CONSTRAINT_FIELDS", "parse_constraint"]
 
 # Nesting bound for structural-tag formats: a hostile body must get a 400, not a RecursionError.
 _MAX_FORMAT_DEPTH = 32
@@ -564,58 +555,3 @@ def parse_constraint(body: dict[str, Any]) -> GrammarSpec | None:
             raise _two_constraints(found, spec)
         found = spec
     return found
-
-
-# -- the unknown-field rule ------------------------------------------------------------------------------
-#: Every top-level field the chat endpoint honours. A field added to the parsing must be added here.
-KNOWN_CHAT_FIELDS: frozenset[str] = CONSTRAINT_FIELDS | {
-    "messages",
-    "model",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "n",
-    "stop",
-    "stream",
-    "stream_options",
-    "ignore_eos",
-}
-
-#: Fields official clients send that we may ignore: none of them can change what the answer must
-#: satisfy. Left out on purpose: sampling knobs (frequency_penalty, presence_penalty, logit_bias,
-#: min_p, ...) change the answer; logprobs/top_logprobs change the response; tools, tool_choice and
-#: parallel_tool_calls constrain it (parallel_tool_calls must move to KNOWN with tools, not here).
-HARMLESS_FIELDS: frozenset[str] = frozenset(
-    {
-        "user",  # an end-user id for OpenAI's abuse monitoring; no effect on the answer
-        "safety_identifier",  # the newer name for that same abuse-monitoring id
-        "prompt_cache_key",  # a routing hint for OpenAI's prompt cache; our caches key by content
-        "metadata",  # tags for OpenAI's stored completions dashboard; we store nothing
-        "store",  # whether OpenAI keeps the completion for evals/distillation; we keep nothing
-        "service_tier",  # OpenAI's latency/price tier; changes when and at what cost, not what
-    }
-)
-
-
-def check_unknown_fields(
-    body: dict[str, Any],
-    known: frozenset[str] = KNOWN_CHAT_FIELDS,
-    *,
-    harmless: frozenset[str] = HARMLESS_FIELDS,
-) -> None:
-    """Refuse the first top-level field that is neither in ``known`` nor in ``harmless``.
-
-    The message is OpenAI's (``Unrecognized request argument supplied: foo``) so clients that
-    retry without an argument on that message work here too. A field set to null asks for
-    nothing and passes (some clients send every field they know, unset ones as null).
-
-    :raises InvalidRequest: naming the field.
-    """
-    if not isinstance(body, dict):
-        raise _fail("the request body must be a JSON object", "body")
-    for name, value in body.items():
-        if name not in known and name not in harmless and value is not None:
-            raise _fail(f"Unrecognized request argument supplied: {name}", name)

@@ -6,13 +6,9 @@ from typing import Any
 import pytest
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.constraints import (
-    CONSTRAINT_FIELDS,
-    HARMLESS_FIELDS,
-    KNOWN_CHAT_FIELDS,
-    check_unknown_fields,
-    parse_constraint,
-)
+from pipeline.protocol.bodies import ChatCompletionRequest, CompletionRequest
+from pipeline.protocol.constraints import CONSTRAINT_FIELDS, parse_constraint
+from pipeline.protocol.wire import decode_body
 from pipeline.types import GrammarSpec
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -203,11 +199,13 @@ def test_no_constraint(extra: dict[str, Any]) -> None:
     assert parse_constraint(body(**extra)) is None
 
 
-def test_every_spelling_is_a_known_field() -> None:
+def test_every_spelling_is_a_declared_field() -> None:
     for extra, _ in SPELLINGS:
-        check_unknown_fields(body(**extra))
+        decode_body(body(**extra), ChatCompletionRequest)  # an undeclared field would be refused here
+        decode_body(json.dumps(body(**extra)).encode(), ChatCompletionRequest)
     assert {"guided_decoding_backend", "guided_whitespace_pattern", "ebnf", "json_schema"} <= CONSTRAINT_FIELDS
-    assert CONSTRAINT_FIELDS <= KNOWN_CHAT_FIELDS
+    for kind in (ChatCompletionRequest, CompletionRequest):
+        assert set(CONSTRAINT_FIELDS) <= set(kind.__struct_fields__)
 
 
 # -- two constraints -------------------------------------------------------------------------------------
@@ -534,76 +532,3 @@ def test_deep_structural_tags_are_refused_not_crashed() -> None:
         fmt = {"type": "optional", "content": fmt}
     error = refused(body(response_format={"type": "structural_tag", "format": fmt}))
     assert "deeper" in error.message
-
-
-# -- the unknown-field rule --------------------------------------------------------------------------------
-def test_known_fields_pass() -> None:
-    check_unknown_fields(
-        body(
-            model="m",
-            max_tokens=5,
-            max_completion_tokens=5,
-            temperature=0.5,
-            top_p=0.9,
-            top_k=5,
-            seed=1,
-            n=1,
-            stop=["x"],
-            stream=True,
-            stream_options={"include_usage": True},
-            ignore_eos=False,
-            response_format={"type": "text"},
-        )
-    )
-
-
-@pytest.mark.parametrize("name", sorted(HARMLESS_FIELDS))
-def test_allow_listed_fields_pass(name: str) -> None:
-    check_unknown_fields(body(**{name: "x"}))
-
-
-def test_allow_list_is_short_and_disjoint_from_known() -> None:
-    assert HARMLESS_FIELDS == {"user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier"}
-    assert not HARMLESS_FIELDS & KNOWN_CHAT_FIELDS
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "foo",
-        "frequency_penalty",
-        "presence_penalty",
-        "logit_bias",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "logprobs",
-        "min_p",
-        "guided_jsn",
-        "structured_output",
-        "extra_body",
-    ],
-)
-def test_unknown_field_is_refused_in_openai_wording(name: str) -> None:
-    with pytest.raises(InvalidRequest) as info:
-        check_unknown_fields(body(**{name: 1}))
-    assert info.value.status == 400 and info.value.field == name
-    assert info.value.message == f"Unrecognized request argument supplied: {name}"
-
-
-def test_first_unknown_field_is_named() -> None:
-    with pytest.raises(InvalidRequest) as info:
-        check_unknown_fields({"messages": MESSAGES, "user": "u", "zeta": 1, "alpha": 2})
-    assert info.value.field == "zeta"
-
-
-def test_unknown_null_field_asks_for_nothing() -> None:
-    check_unknown_fields(body(functions=None, logit_bias=None))
-
-
-def test_a_custom_known_set() -> None:
-    check_unknown_fields({"prompt": "x"}, frozenset({"prompt"}))
-    with pytest.raises(InvalidRequest):
-        check_unknown_fields({"prompt": "x", "messages": []}, frozenset({"prompt"}))
-    with pytest.raises(InvalidRequest):
-        check_unknown_fields({"prompt": "x", "user": "u"}, frozenset({"prompt"}), harmless=frozenset())
