@@ -1,6 +1,6 @@
 """Hypothesis strategies drawn from the server's own OpenAPI document (its JSON schemas).
 
-Covers the schema keywords msgspec writes for ``pipeline.protocol.bodies`` (``$ref``, ``anyOf``, ``enum``,
+Covers the schema keywords msgspec writes for the ``pipeline.protocol`` body types (``$ref``, ``anyOf``, ``enum``,
 objects with ``required``/``additionalProperties``, bounded arrays, strings with lengths and
 patterns, bounded numbers); a schema with no ``type`` (a raw JSON field) draws any JSON value.
 Sizes are kept small: the point is reaching every check, not volume.

@@ -21,8 +21,8 @@ from pipeline.core.handle import Delta as AnswerDelta
 from pipeline.core.handle import RequestHandle, Result
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import PipelineError
-from pipeline.protocol.bodies import Completion, CompletionChoice, CompletionLogprobs, Usage
 from pipeline.protocol.request import ChatRequest
+from pipeline.protocol.response_bodies import Completion, CompletionChoice, CompletionLogprobs, Usage
 from sampling.logits_process import TokenLogprob
 
 __all__ = ["answer_completions"]

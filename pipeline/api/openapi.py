@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the server, generated from the ``pipeline.protocol.bodies`` types.
+"""The OpenAPI 3.1 document of the server, generated from the ``pipeline.protocol`` body types.
 
 Nothing here describes a body by hand: request and response schemas are msgspec's JSON schemas of
 the declared structs. ``ROUTES`` is the one table of what the server answers; ``create_app``
@@ -13,15 +13,8 @@ from typing import Any
 
 import msgspec
 
-from pipeline.protocol.bodies import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorResponse,
-    ModelList,
-)
+from pipeline.protocol.request_bodies import ChatCompletionRequest, CompletionRequest
+from pipeline.protocol.response_bodies import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse, ModelList
 
 __all__ = ["ROUTES", "Route", "openapi_document", "openapi_json"]
 

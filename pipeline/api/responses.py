@@ -11,16 +11,15 @@ from collections.abc import Sequence
 
 from pipeline.core.handle import Choice as AnswerChoice
 from pipeline.core.handle import Delta as AnswerDelta
-from pipeline.protocol.bodies import (
+from pipeline.protocol.request_bodies import FunctionCall, ToolCall
+from pipeline.protocol.response_bodies import (
     AssistantMessage,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
-    FunctionCall,
     FunctionCallDelta,
     TokenLogprob,
-    ToolCall,
     ToolCallDelta,
     TopLogprob,
 )

@@ -23,8 +23,16 @@ from pipeline.api.responses import ChatStream, TokenText, chat_choice
 from pipeline.core.handle import RequestHandle, Result
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import PipelineError
-from pipeline.protocol.bodies import ChatCompletion, ChatCompletionChunk, ChunkChoice, Delta, Model, ModelList, Usage
 from pipeline.protocol.request import ChatRequest
+from pipeline.protocol.response_bodies import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    Delta,
+    Model,
+    ModelList,
+    Usage,
+)
 
 __all__ = ["Api", "Call", "usage"]
 

@@ -1,5 +1,6 @@
-"""The wire protocol: OpenAI's request and response bodies as declared types (``bodies``), bytes into
-those types (``wire``), and admission of a body into a ``ChatRequest`` with its constraint and tools.
+"""The wire protocol: OpenAI's request and response bodies as declared types (``request_bodies``,
+``response_bodies``), bytes into those types (``wire``), and admission of a body into a ``ChatRequest``
+with its constraint and tools.
 
 It knows nothing of the pipeline that runs the request (``make check`` holds it below the core).
 """

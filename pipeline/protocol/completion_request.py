@@ -12,8 +12,8 @@ import uuid
 from typing import Any
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.bodies import CompletionRequest
 from pipeline.protocol.request import ChatRequest, check_model, request_grammar, sampling_params
+from pipeline.protocol.request_bodies import CompletionRequest
 from pipeline.protocol.wire import decode_body
 
 __all__ = ["MAX_PROMPTS", "parse_completion_request"]

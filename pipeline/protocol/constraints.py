@@ -5,7 +5,7 @@ we did not know its field (rule 7 of the README). So ``parse_constraint(body)`` 
 constraint spelling below into one ``GrammarSpec`` whose ``field`` says exactly where the
 constraint came from, and refuses (400) a request that carries two constraints, whatever their
 spellings. A top-level field that no body type declares is refused (400, OpenAI's wording) where
-the body is decoded (``pipeline.protocol.bodies``, ``pipeline.protocol.wire``).
+the body is decoded (``pipeline.protocol.request_bodies``, ``pipeline.protocol.wire``).
 
 Spellings; the spec's ``field`` is the spelling itself unless given in brackets::
 

@@ -1,4 +1,4 @@
-"""Admission: a chat-completions body, decoded into ``pipeline.protocol.bodies`` types, as a ChatRequest.
+"""Admission: a chat-completions body, decoded into ``pipeline.protocol.request_bodies`` types, as a ChatRequest.
 
 The declared types check shapes, types and fixed bounds (``pipeline.protocol.wire`` names the field of any
 failure); what is left here is what depends on the configuration (``max_tokens`` against
@@ -16,8 +16,14 @@ from typing import Any
 import msgspec
 
 from pipeline.errors import InvalidRequest, ModelNotFound
-from pipeline.protocol.bodies import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageContent, ImageURL
 from pipeline.protocol.constraints import CONSTRAINT_FIELDS, parse_constraint
+from pipeline.protocol.request_bodies import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImageContent,
+    ImageURL,
+)
 from pipeline.protocol.tools import ToolPlan, plan_tools, template_call_id
 from pipeline.protocol.wire import decode_body
 from pipeline.types import GrammarSpec, ImagePart, Message, TextPart

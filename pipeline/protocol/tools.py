@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.bodies import ChatCompletionRequest, NamedToolChoice
+from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolChoice
 from pipeline.types import GrammarSpec
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]

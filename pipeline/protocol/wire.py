@@ -1,5 +1,5 @@
-"""Request bodies (bytes or Python objects) into ``pipeline.protocol.bodies`` types; every failure a 400
-that names the field.
+"""Request bodies (bytes or Python objects) into ``pipeline.protocol.request_bodies`` types; every failure
+a 400 that names the field.
 
 The fast path is one msgspec decode of the bytes straight into the declared type. What it refuses
 without naming a field is diagnosed on a slow path that only failures take: the body is parsed by

@@ -28,7 +28,7 @@ from pipeline import PipelineConfig
 from pipeline.api.openapi import openapi_document
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
-from pipeline.protocol.bodies import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse
+from pipeline.protocol.response_bodies import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse
 from tests.openapi_strategies import ANY_JSON, from_schema
 from tests.released import assert_released
 from tests.servers import serving

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pipeline.api.openapi import ROUTES, openapi_document
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
-from pipeline.protocol.bodies import ChatCompletionRequest, CompletionRequest
+from pipeline.protocol.request_bodies import ChatCompletionRequest, CompletionRequest
 from tests.openapi_strategies import from_schema
 
 COMPONENTS = openapi_document()["components"]["schemas"]

@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.bodies import ChatCompletionRequest, CompletionRequest
 from pipeline.protocol.constraints import CONSTRAINT_FIELDS, parse_constraint
+from pipeline.protocol.request_bodies import ChatCompletionRequest, CompletionRequest
 from pipeline.protocol.wire import decode_body
 from pipeline.types import GrammarSpec
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.bodies import ChatCompletionRequest
+from pipeline.protocol.request_bodies import ChatCompletionRequest
 from pipeline.protocol.tool_calls import CallReader, CallStart
 from pipeline.protocol.tools import new_call_id, plan_tools, template_call_id
 

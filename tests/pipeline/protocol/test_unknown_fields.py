@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.bodies import ChatCompletionRequest, CompletionRequest
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.constraints import CONSTRAINT_FIELDS
 from pipeline.protocol.request import parse_chat_request
+from pipeline.protocol.request_bodies import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

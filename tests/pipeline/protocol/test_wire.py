@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.bodies import ChatCompletionRequest
+from pipeline.protocol.request_bodies import ChatCompletionRequest
 from pipeline.protocol.wire import MAX_DEPTH, decode_body
 
 

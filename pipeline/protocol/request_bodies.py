@@ -1,10 +1,11 @@
-"""The OpenAI protocol as declared types: the request and response bodies of the server.
+"""The OpenAI protocol's request bodies as declared types: what clients send to the server.
 
 msgspec structs, decoded straight from the request bytes (``pipeline.protocol.wire``): a 1 MB base64 image
 body decodes and validates in 0.28 ms, against 0.60 ms for pydantic 2's ``model_validate_json``
 and 1.0 ms for ``json.loads`` alone, and msgspec names a failing field as a path
 (``$.messages[0].content[1].image_url.url``), which is the ``param`` a client gets back. The
-OpenAPI document (``/openapi.json``) is generated from these types, never written by hand.
+OpenAPI document (``/openapi.json``) is generated from these types and the response bodies
+(``pipeline.protocol.response_bodies``), never written by hand.
 
 Bounds that depend on the configuration (``max_tokens`` against ``max_model_len``, images per
 request) are checked where the configuration is known (``pipeline.protocol.request``). A key that no
@@ -26,37 +27,19 @@ from msgspec import Meta
 __all__ = [
     "MAX_N",
     "MAX_STOP_STRINGS",
-    "ChatCompletion",
-    "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatMessage",
-    "Choice",
-    "ChoiceLogprobs",
-    "ChunkChoice",
-    "Completion",
-    "CompletionChoice",
-    "CompletionLogprobs",
     "CompletionRequest",
     "ContentPart",
-    "Delta",
     "FunctionCall",
-    "FunctionCallDelta",
-    "ErrorObject",
-    "ErrorResponse",
     "FunctionDefinition",
     "ImageContent",
     "ImageURL",
-    "Model",
-    "ModelList",
     "NamedToolChoice",
     "StreamOptions",
     "TextContent",
-    "TokenLogprob",
     "Tool",
     "ToolCall",
-    "ToolCallDelta",
-    "TopLogprob",
-    "Usage",
 ]
 
 MAX_STOP_STRINGS = 8
@@ -70,10 +53,6 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A request object: an unknown key is refused, naming it."""
-
-
-class _Out(msgspec.Struct, kw_only=True):
-    """A response object."""
 
 
 # -- request parts ------------------------------------------------------------------------------------
@@ -210,145 +189,3 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
-
-
-# -- responses ------------------------------------------------------------------------------------------
-class Usage(_Out, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class TopLogprob(_Out, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(_Out, kw_only=True):
-    """A sampled token's log probability (after the grammar mask, before the temperature), and the
-    ``top_logprobs`` most likely tokens of its step."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(_Out, kw_only=True):
-    content: list[TokenLogprob] | None
-
-
-class AssistantMessage(_Out, kw_only=True):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class Choice(_Out, kw_only=True):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(_Out, kw_only=True):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    timings: dict[str, float] | None = None  # ours: seconds per preparation stage
-
-
-class FunctionCallDelta(_Out, kw_only=True, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(_Out, kw_only=True, omit_defaults=True):
-    """A piece of a streamed call: the first carries its id, type and name, the rest argument text."""
-
-    index: int
-    function: FunctionCallDelta
-    id: str | None = None
-    type: Literal["function"] | None = None
-
-
-class Delta(_Out, kw_only=True, omit_defaults=True):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChunkChoice(_Out, kw_only=True):
-    index: int
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletionChunk(_Out, kw_only=True):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(_Out, kw_only=True):
-    """The legacy completions shape: parallel lists, one entry per token."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(_Out, kw_only=True):
-    index: int  # prompt i's choice j is index i * n + j
-    text: str
-    finish_reason: str | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class Completion(_Out, kw_only=True):
-    """A completions response, and each chunk of a streamed one (``usage`` only on the last, if asked)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ErrorObject(_Out, kw_only=True):
-    """OpenAI's error object; ``param`` names the offending field of a 4xx."""
-
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-    stage: str | None = None  # ours: where it failed
-    request_id: str | None = None  # ours: the id the server logged it under
-    path: str | None = None  # ours, 422 only: JSON pointer into the answer where it broke
-    reason: str | None = None  # ours, 422 only: the keyword that failed
-
-
-class ErrorResponse(_Out, kw_only=True):
-    error: ErrorObject
-
-
-class Model(_Out, kw_only=True):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = 0
-    owned_by: str = "local"
-
-
-class ModelList(_Out, kw_only=True):
-    object: Literal["list"] = "list"
-    data: list[Model]
