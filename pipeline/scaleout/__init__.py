@@ -2,8 +2,8 @@
 routed by cache affinity.
 
 Only the parts that need no Ray are imported here (routing keys, the hash ring, merged metrics);
-``ray_serve`` (the application), ``router`` and ``launch`` import ``ray`` (the ``ray`` extra) and are
-imported by path: ``serve run pipeline.scaleout.ray_serve:app``.
+``ray_serve`` (the application), ``ingress``, ``replica``, ``router`` and ``launch`` import ``ray`` (the
+``ray`` extra) and are imported by path: ``serve run pipeline.scaleout.ray_serve:app``.
 """
 
 from __future__ import annotations
