@@ -31,7 +31,7 @@ from tqdm import tqdm
 from pipeline.bench.common import load_average, machine, median, percentile, print_table, write_outputs
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.core.engine_factory import build_llm_engine
-from pipeline.core.preparation import build_grammar_stage
+from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine, StepTiming
 from sampling.inputs import EngineInput

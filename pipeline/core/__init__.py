@@ -1,5 +1,5 @@
 """The core: the ``Pipeline`` (start/stop, admission, ``submit()``), the staged queue its preparation
-runs through, request handles, the answer gate and the engine's construction.
+runs through, request handles, the answer gate and the construction of the stages and the engine.
 
 Below it sit the wire protocol (``pipeline.protocol``) and observability; above it the HTTP API
 (``pipeline.api``) and scale-out (``pipeline.scaleout``). ``make check`` holds the direction.

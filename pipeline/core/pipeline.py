@@ -15,7 +15,8 @@ from anyio.abc import TaskGroup
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_factory import build_engine
 from pipeline.core.handle import RequestHandle
-from pipeline.core.preparation import Preparation, PreparedRequest, build_grammar_stage
+from pipeline.core.preparation import Preparation, PreparedRequest
+from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.core.staged import Job
 from pipeline.errors import Overloaded, ShuttingDown
 from pipeline.observability.metrics import Metrics

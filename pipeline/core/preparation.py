@@ -1,16 +1,15 @@
-"""The preparation stages of one model, and the steps that carry a request through them.
+"""The steps that carry a request through the preparation stages of one model.
 
-``Preparation`` owns the stage objects (fetch, decode, template, vision encode, grammar) and one
-``StageWorkers`` pool per stage; the ``Pipeline`` owns admission, lifecycle and the engine.
+``Preparation`` owns the stage objects (fetch, decode, template, vision encode, grammar; built by
+``pipeline.core.stage_factory``) and one ``StageWorkers`` pool per stage; the ``Pipeline`` owns
+admission, lifecycle and the engine.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import anyio
 from anyio.abc import TaskGroup
@@ -18,6 +17,14 @@ from anyio.abc import TaskGroup
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_factory import check_fits
 from pipeline.core.image_steps import ImageSteps, RequestImages
+from pipeline.core.stage_factory import (
+    build_decode_stage,
+    build_encoder_cache,
+    build_fetch_stage,
+    build_image_pool,
+    build_template_stage,
+    build_vision_stage,
+)
 from pipeline.core.staged import Job, StageWorkers
 from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.observability.metrics import Metrics
@@ -25,21 +32,11 @@ from pipeline.observability.trace import Tracer
 from pipeline.outcome import Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.inputs import EngineInput
-from sampling.llguidance_backend import LLGuidanceBackend
-from stages.decode import DecodeStage
-from stages.encoder_cache import EncoderCache
-from stages.fetch import FetchStage
 from stages.grammar import CompiledConstraint, GrammarStage
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
-from stages.process_pool import ImagePool
-from stages.template import TemplateStage
-from stages.vision_encode import VisionEncodeStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
-from vision.image_worker import ImageWorkerSpec
-from vision.preprocess import ImageTokenIds, preprocess_image
 
-__all__ = ["Preparation", "PreparedInput", "PreparedRequest", "build_grammar_stage", "encoder_cache_namespace"]
+__all__ = ["Preparation", "PreparedInput", "PreparedRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,32 +60,6 @@ class PreparedInput:
     constraint: CompiledConstraint | None
 
 
-def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> GrammarStage:
-    """The grammar stage with both backends for ``checkpoint``'s tokenizer (seconds: run it off the loop)."""
-    info = checkpoint.tokenizer_info
-    llguidance = LLGuidanceBackend(
-        checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=[int(t) for t in info.stop_token_ids]
-    )
-    return GrammarStage(
-        XGrammarCompiler(info, any_whitespace=config.json_any_whitespace),
-        LLGuidanceCompiler(llguidance),
-        timeout_s=config.grammar_compile_timeout_s,
-        cache_bytes=config.grammar_cache_bytes,
-        max_concurrent=config.grammar_max_concurrent_compiles,
-        xgrammar_budget_s=config.grammar_xgrammar_budget_s,
-        backend=config.grammar_backend,
-        abandon_on_shutdown=config.grammar_abandon_on_shutdown,
-    )
-
-
-def encoder_cache_namespace(checkpoint: Checkpoint) -> str:
-    """The model and processor part of an encoder cache key: embeddings of one model and one set of
-    processor settings are never served for another."""
-    processor = checkpoint.image_processor
-    settings = processor.to_json_string() if processor is not None else ""
-    return hashlib.sha256(f"{checkpoint.path}\n{settings}".encode()).hexdigest()[:16]
-
-
 class Preparation:
     """The stage objects, their worker pools, and the steps a request goes through."""
 
@@ -109,48 +80,12 @@ class Preparation:
         self.image_token_id = checkpoint.image_token_id if checkpoint.image_token_id is not None else -1
         processor = checkpoint.image_processor
         longest = (getattr(processor, "size", None) or {}).get("longest_edge") if processor else None
-        self.fetch = FetchStage(
-            max_bytes=cfg.max_image_bytes,
-            concurrency=cfg.fetch_concurrency,
-            connect_timeout_s=cfg.fetch_connect_timeout_s,
-            total_timeout_s=cfg.fetch_total_timeout_s,
-            max_redirects=cfg.max_redirects,
-            allow_private=cfg.allow_private_networks,
-            media_root=cfg.media_root,
-        )
-        self.pool = self._build_pool(checkpoint, encoder, longest)
-        self.decode = DecodeStage(
-            max_pixels=cfg.max_image_pixels,
-            threads=cfg.decode_threads,
-            inline=cfg.inline_preparation,
-            target_longest_edge=longest,
-            transform=partial(preprocess_image, processor) if processor else None,
-            pool=self.pool,
-        )
-        self.template = TemplateStage(
-            tokenizer,
-            ImageTokenIds.from_tokenizer(tokenizer, self.image_token_id),
-            max_prompt_tokens=cfg.max_prompt_tokens,
-            threads=cfg.template_threads,
-            inline=cfg.inline_preparation,
-        )
-        self.vision = (
-            VisionEncodeStage(
-                encoder,
-                max_batch=cfg.vision_max_batch,
-                wait_ms=cfg.vision_batch_wait_ms,
-                queue_size=cfg.stage_queue_size * cfg.max_images_per_request,
-                threads=cfg.vision_encode_threads,
-                inline=cfg.inline_preparation,
-            )
-            if encoder is not None
-            else None
-        )
-        self.encoder_cache = (
-            EncoderCache(cfg.encoder_cache_bytes, encoder_cache_namespace(checkpoint))
-            if cfg.encoder_cache_bytes and encoder is not None
-            else None
-        )
+        self.fetch = build_fetch_stage(cfg)
+        self.pool = build_image_pool(cfg, checkpoint, encoder, longest)
+        self.decode = build_decode_stage(cfg, processor, longest, self.pool)
+        self.template = build_template_stage(cfg, tokenizer, self.image_token_id)
+        self.vision = build_vision_stage(cfg, encoder)
+        self.encoder_cache = build_encoder_cache(cfg, checkpoint, encoder)
         self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer)
         self.grammar = grammar
         metrics.grammar_compiles = lambda: self.grammar.stats.backends
@@ -158,31 +93,6 @@ class Preparation:
         metrics.register_cache("grammar", self.grammar.cache_counters)
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
-
-    def _build_pool(
-        self, checkpoint: Checkpoint, encoder: VisionEncoder | None, longest_edge: int | None
-    ) -> ImagePool | None:
-        """The worker processes of process mode (for a model that takes images)."""
-        cfg = self.config
-        if cfg.preparation_mode != "process" or cfg.inline_preparation or checkpoint.image_processor is None:
-            return None
-        # The encoder runs in the workers when it runs on the CPU: there it is GIL-free torch work
-        # like the rest, at low priority. On a GPU it stays in this process, on the device, where
-        # its micro-batches share the device with the decode engine and need no copy of the weights.
-        spec = ImageWorkerSpec(
-            checkpoint_path=str(checkpoint.path),
-            max_pixels=cfg.max_image_pixels,
-            target_longest_edge=longest_edge,
-            encode=encoder is not None and encoder.device.type == "cpu",
-            nice=cfg.prep_worker_nice,
-            task=cfg.prep_worker_task,
-        )
-        return ImagePool(
-            spec,
-            size=cfg.num_prep_workers(),
-            max_image_bytes=cfg.max_image_bytes,
-            job_timeout_s=cfg.prep_worker_timeout_s,
-        )
 
     def warm(self) -> None:
         """Start the preparation workers now (else on the first image), in the background."""

@@ -1,0 +1,152 @@
+"""Builds the preparation stages of a checkpoint from a PipelineConfig (the stages themselves know no config).
+
+``pipeline.core.preparation`` owns the stages built here and carries requests through them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from sampling.llguidance_backend import LLGuidanceBackend
+from stages.decode import DecodeStage
+from stages.encoder_cache import EncoderCache
+from stages.fetch import FetchStage
+from stages.grammar import GrammarStage
+from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.process_pool import ImagePool
+from stages.template import TemplateStage
+from stages.vision_encode import VisionEncodeStage
+from vision.checkpoint import Checkpoint
+from vision.encoder import VisionEncoder
+from vision.image_worker import ImageWorkerSpec
+from vision.preprocess import ImageTokenIds, preprocess_image
+
+__all__ = [
+    "build_decode_stage",
+    "build_encoder_cache",
+    "build_fetch_stage",
+    "build_grammar_stage",
+    "build_image_pool",
+    "build_template_stage",
+    "build_vision_stage",
+    "encoder_cache_namespace",
+]
+
+
+def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> GrammarStage:
+    """The grammar stage with both backends for ``checkpoint``'s tokenizer (seconds: run it off the loop)."""
+    info = checkpoint.tokenizer_info
+    llguidance = LLGuidanceBackend(
+        checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=[int(t) for t in info.stop_token_ids]
+    )
+    return GrammarStage(
+        XGrammarCompiler(info, any_whitespace=config.json_any_whitespace),
+        LLGuidanceCompiler(llguidance),
+        timeout_s=config.grammar_compile_timeout_s,
+        cache_bytes=config.grammar_cache_bytes,
+        max_concurrent=config.grammar_max_concurrent_compiles,
+        xgrammar_budget_s=config.grammar_xgrammar_budget_s,
+        backend=config.grammar_backend,
+        abandon_on_shutdown=config.grammar_abandon_on_shutdown,
+    )
+
+
+def encoder_cache_namespace(checkpoint: Checkpoint) -> str:
+    """The model and processor part of an encoder cache key: embeddings of one model and one set of
+    processor settings are never served for another."""
+    processor = checkpoint.image_processor
+    settings = processor.to_json_string() if processor is not None else ""
+    return hashlib.sha256(f"{checkpoint.path}\n{settings}".encode()).hexdigest()[:16]
+
+
+def build_fetch_stage(cfg: PipelineConfig) -> FetchStage:
+    """The fetch stage: image bytes by URL, data URL or path under ``media_root``."""
+    return FetchStage(
+        max_bytes=cfg.max_image_bytes,
+        concurrency=cfg.fetch_concurrency,
+        connect_timeout_s=cfg.fetch_connect_timeout_s,
+        total_timeout_s=cfg.fetch_total_timeout_s,
+        max_redirects=cfg.max_redirects,
+        allow_private=cfg.allow_private_networks,
+        media_root=cfg.media_root,
+    )
+
+
+def build_image_pool(
+    cfg: PipelineConfig, checkpoint: Checkpoint, encoder: VisionEncoder | None, longest_edge: int | None
+) -> ImagePool | None:
+    """The worker processes of process mode (for a model that takes images)."""
+    if cfg.preparation_mode != "process" or cfg.inline_preparation or checkpoint.image_processor is None:
+        return None
+    # The encoder runs in the workers when it runs on the CPU: there it is GIL-free torch work
+    # like the rest, at low priority. On a GPU it stays in this process, on the device, where
+    # its micro-batches share the device with the decode engine and need no copy of the weights.
+    spec = ImageWorkerSpec(
+        checkpoint_path=str(checkpoint.path),
+        max_pixels=cfg.max_image_pixels,
+        target_longest_edge=longest_edge,
+        encode=encoder is not None and encoder.device.type == "cpu",
+        nice=cfg.prep_worker_nice,
+        task=cfg.prep_worker_task,
+    )
+    return ImagePool(
+        spec,
+        size=cfg.num_prep_workers(),
+        max_image_bytes=cfg.max_image_bytes,
+        job_timeout_s=cfg.prep_worker_timeout_s,
+    )
+
+
+def build_decode_stage(
+    cfg: PipelineConfig, processor: Any, longest_edge: int | None, pool: ImagePool | None
+) -> DecodeStage:
+    """The decode stage: image bytes to preprocessed pixels, in ``pool``'s workers when there is one."""
+    return DecodeStage(
+        max_pixels=cfg.max_image_pixels,
+        threads=cfg.decode_threads,
+        inline=cfg.inline_preparation,
+        target_longest_edge=longest_edge,
+        transform=partial(preprocess_image, processor) if processor else None,
+        pool=pool,
+    )
+
+
+def build_template_stage(cfg: PipelineConfig, tokenizer: Any, image_token_id: int) -> TemplateStage:
+    """The template stage: messages to prompt token ids."""
+    return TemplateStage(
+        tokenizer,
+        ImageTokenIds.from_tokenizer(tokenizer, image_token_id),
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        threads=cfg.template_threads,
+        inline=cfg.inline_preparation,
+    )
+
+
+def build_vision_stage(cfg: PipelineConfig, encoder: VisionEncoder | None) -> VisionEncodeStage | None:
+    """The vision-encode stage (None for a model that takes no images)."""
+    return (
+        VisionEncodeStage(
+            encoder,
+            max_batch=cfg.vision_max_batch,
+            wait_ms=cfg.vision_batch_wait_ms,
+            queue_size=cfg.stage_queue_size * cfg.max_images_per_request,
+            threads=cfg.vision_encode_threads,
+            inline=cfg.inline_preparation,
+        )
+        if encoder is not None
+        else None
+    )
+
+
+def build_encoder_cache(
+    cfg: PipelineConfig, checkpoint: Checkpoint, encoder: VisionEncoder | None
+) -> EncoderCache | None:
+    """The encoder cache (None when off, or for a model that takes no images)."""
+    return (
+        EncoderCache(cfg.encoder_cache_bytes, encoder_cache_namespace(checkpoint))
+        if cfg.encoder_cache_bytes and encoder is not None
+        else None
+    )
