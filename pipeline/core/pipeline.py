@@ -1,4 +1,7 @@
-"""Pipeline: start/stop, admission, ``prepare()`` through the stages and ``submit()`` to the engine."""
+"""Pipeline: start/stop, admission, ``prepare()`` through the stages and ``submit()`` to the engine.
+
+What it holds is read by ``pipeline.core.snapshot``; its stages are built by ``pipeline.core.stage_factory``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import enum
 import functools
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -16,6 +18,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.engine_factory import build_engine
 from pipeline.core.handle import RequestHandle
 from pipeline.core.preparation import Preparation, PreparedRequest
+from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
 from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.core.staged import Job
 from pipeline.errors import Overloaded, ShuttingDown
@@ -40,26 +43,6 @@ class PipelineState(enum.Enum):
     ACCEPTING = "accepting"
     DRAINING = "draining"  # admitted requests go on; new ones get 503
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True, slots=True)
-class Resources:
-    """What the pipeline holds now; every field is 0 once it is idle (tests assert exactly that)."""
-
-    pending_requests: int  # admitted, not yet out of the stages
-    running_requests: int  # handles not yet done
-    grammar_compiles: int  # compile jobs in flight
-    limiter_tokens: dict[str, int]  # per stage limiter: tokens borrowed (threads and slots in use)
-    queued: dict[str, int]  # per stage inbox: jobs waiting
-    in_flight: dict[str, int]  # per stage: jobs a worker is on
-    engine: dict[str, int]  # engine requests, output streams, KV blocks in use
-
-    @property
-    def is_released(self) -> bool:
-        counts = [self.pending_requests, self.running_requests, self.grammar_compiles]
-        counts += [*self.limiter_tokens.values(), *self.queued.values(), *self.in_flight.values()]
-        counts += list(self.engine.values())
-        return not any(counts)
 
 
 async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
@@ -316,38 +299,12 @@ class Pipeline:
         return False
 
     def _cache_counters(self, cache: str) -> dict[str, float]:
-        stats = self.cache_stats().get(cache) if self._preparation is not None else None
-        if stats is None:
-            return {}
-        return {
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "evictions": stats.evictions,
-            "bytes": stats.bytes_held,
-            "bytes_bound": stats.bytes_bound,
-            "entries": stats.entries,
-        }
+        return cache_counters(self.cache_stats().get(cache)) if self._preparation is not None else {}
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Hits, misses, evictions and bytes held of the encoder cache and the KV prefix cache (a
         cache that is off is absent)."""
-        out = {}
-        cache = self.preparation.encoder_cache
-        if cache is not None:
-            out["encoder"] = replace(cache.stats)
-        if self._engine is not None and self._engine.engine.scheduler.prefix_caching:
-            engine = self._engine.engine
-            kv = engine.scheduler.allocator.stats
-            block_bytes = engine.runner.kv_block_bytes
-            out["kv_prefix"] = CacheStats(
-                hits=kv.hits,
-                misses=kv.misses,
-                evictions=kv.evictions,
-                bytes_held=kv.blocks_held * block_bytes,
-                bytes_bound=engine.scheduler.allocator.num_blocks * block_bytes,
-                entries=kv.blocks_held,
-            )
-        return out
+        return cache_stats(self.preparation, self._engine)
 
     def decoding(self) -> dict[str, int]:
         """The decode engine now: sequences running and waiting, KV blocks, preemptions so far."""
@@ -359,13 +316,4 @@ class Pipeline:
 
     def resources(self) -> Resources:
         """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""
-        prep = self.preparation
-        return Resources(
-            pending_requests=self._pending,
-            running_requests=len(self._handles),
-            grammar_compiles=prep.grammar.num_compiling,
-            limiter_tokens={name: int(limiter.borrowed_tokens) for name, limiter in prep.limiters().items()},
-            queued={stage.name: stage.queue_depth() for stage in prep.stages} | prep.side_queues(),
-            in_flight={name: stage.in_flight for name, stage in self.metrics.stages.items()},
-            engine=self._engine.resources() if self._engine is not None else {},
-        )
+        return resources(self.preparation, self.metrics, self._engine, self._pending, len(self._handles))
