@@ -19,6 +19,7 @@ from pipeline.protocol.wire import decode_body
 __all__ = ["MAX_PROMPTS", "parse_completion_request"]
 
 MAX_PROMPTS = 16  # prompts per request: each is admitted (and bounded) like a request of its own
+_KINDS = {str: "string", int: "token id", list: "token-id list"}
 
 
 def _fail(message: str, field: str) -> InvalidRequest:
@@ -34,8 +35,14 @@ def _prompts(raw: str | list[str | int | list[int]]) -> list[str | list[int]]:
         prompts: list[str | list[int]] = [p for p in raw if isinstance(p, str)]
     elif all(isinstance(p, list) for p in raw):
         prompts = [p for p in raw if isinstance(p, list)]
-    else:
-        raise _fail("'prompt' must be a string, a list of strings, token ids, or a list of token-id lists", "prompt")
+    else:  # a mixed list: the first item of another kind than the first is the one named
+        kind = type(raw[0])
+        i = next(i for i, p in enumerate(raw) if not isinstance(p, kind))
+        raise _fail(
+            f"'prompt' mixes kinds: item {i} is not a {_KINDS[kind]} as item 0 is (a list holds strings, "
+            "token ids or token-id lists, one kind)",
+            f"prompt[{i}]",
+        )
     if len(prompts) > MAX_PROMPTS:
         raise _fail(f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS} are allowed", "prompt")
     for i, prompt in enumerate(prompts):

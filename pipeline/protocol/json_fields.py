@@ -67,7 +67,9 @@ def as_strings(value: Any, field: str, *, non_empty_list: bool, non_empty_items:
 def json_text(value: str, field: str) -> Any:
     try:
         return json.loads(value)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except RecursionError:
+        raise field_error(f"'{field}' nests too deeply to be read as JSON", field) from None
+    except json.JSONDecodeError as exc:
         raise field_error(f"'{field}' is not valid JSON: {exc}", field) from None
 
 

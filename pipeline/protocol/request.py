@@ -25,7 +25,7 @@ from pipeline.protocol.request_bodies import (
     ImageURL,
 )
 from pipeline.protocol.tools import ToolPlan, plan_tools, template_call_id
-from pipeline.protocol.wire import decode_body
+from pipeline.protocol.wire import check_depth, decode_body
 from pipeline.types import GrammarSpec, ImagePart, Message, TextPart
 from sampling.params import SamplingParams
 
@@ -116,12 +116,18 @@ def _messages(raw: list[ChatMessage], max_images: int) -> tuple[Message, ...]:
     return tuple(messages)
 
 
+# digits of a token id: a longer key is refused before int() (over 4,300 digits it raises ValueError)
+_MAX_TOKEN_DIGITS = 12
+
+
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     bias = []
     for key, value in (raw or {}).items():
-        token = int(key) if key.isascii() and key.isdigit() else -1
+        is_id = key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_DIGITS
+        token = int(key) if is_id else -1
         if not 0 <= token < vocab_size:
-            raise _fail(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", f"logit_bias.{key}")
+            shown = key if len(key) <= 32 else f"{key[:29]}..."
+            raise _fail(f"logit_bias keys must be token ids in [0, {vocab_size}), got {shown!r}", f"logit_bias.{shown}")
         bias.append((token, value))
     return tuple(bias)
 
@@ -176,7 +182,10 @@ def request_grammar(body: ChatCompletionRequest | CompletionRequest, raw: Any) -
     if len(given) > 1:
         # two constraints are refused naming the second in body order, which only the raw body keeps
         given = raw if isinstance(raw, dict) else msgspec.json.decode(raw)
-    return parse_constraint(given)
+    spec = parse_constraint(given)
+    if spec is not None and isinstance(spec.value, dict | list):  # the compilers walk it recursively
+        check_depth(spec.value, spec.field)
+    return spec
 
 
 def check_model(model: str | None, model_names: tuple[str, ...] | None) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pipeline.errors import InvalidRequest
 from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolChoice
+from pipeline.protocol.wire import check_depth
 from pipeline.types import GrammarSpec
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
@@ -111,8 +112,8 @@ def _calls_schema(functions: list[tuple[str, dict[str, Any] | None]], *, single:
 def plan_tools(body: ChatCompletionRequest, has_other_constraint: bool) -> ToolPlan | None:
     """The plan for ``body``'s tools; None when the answer is plain text (no tools, or ``none``).
 
-    :raises InvalidRequest: a choice naming an unknown function, duplicate names, tool_choice
-        without tools, or tools beside another structured-output constraint.
+    :raises InvalidRequest: a choice naming an unknown function, duplicate names, parameters nested
+        too deep, tool_choice without tools, or tools beside another structured-output constraint.
     """
     choice = body.tool_choice
     if not body.tools:
@@ -129,6 +130,8 @@ def plan_tools(body: ChatCompletionRequest, has_other_constraint: bool) -> ToolP
         parameters = tool.function.parameters
         if parameters is not None and parameters.get("type", "object") != "object":
             raise _fail("a function's parameters must be an object schema", f"tools[{i}].function.parameters")
+        if parameters is not None:  # before the recursive walks below
+            check_depth(parameters, f"tools[{i}].function.parameters")
     if has_other_constraint:
         raise _fail("tools cannot be combined with another structured-output constraint", "tool_choice")
     functions = [(tool.function.name, tool.function.parameters) for tool in body.tools]

@@ -4,9 +4,10 @@ a 400 that names the field.
 The fast path is one msgspec decode of the bytes straight into the declared type. What it refuses
 without naming a field is diagnosed on a slow path that only failures take: the body is parsed by
 the standard library (which, unlike msgspec, reads lone UTF-16 surrogates such as ``"\\ud800"``,
-so the string holding one can be named instead of the whole body), nesting too deep to parse is a
-400 rather than a ``RecursionError``, and a top-level unknown field whose value is null passes (it
-asks for nothing; some clients send every field they know).
+so the string holding one can be named instead of the whole body), bytes that are not UTF-8 are
+read as escaped surrogates so that the string or key holding them is named the same way, and
+nesting too deep to parse is a 400 rather than a ``RecursionError``. Any unknown field is a 400,
+even one set to null.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import msgspec
 
 from pipeline.errors import InvalidRequest
 
-__all__ = ["MAX_DEPTH", "check_tree", "decode_body", "loads_body", "validation_error"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_SCHEMA_DEPTH",
+    "check_depth",
+    "check_tree",
+    "decode_body",
+    "loads_body",
+    "validation_error",
+]
 
 T = TypeVar("T")
 
@@ -28,7 +37,12 @@ _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
 _SURROGATE = "the text holds a lone UTF-16 surrogate, which is not valid Unicode"
+_NOT_UTF8 = "the text holds bytes that are not valid UTF-8"
 MAX_DEPTH = 128  # nesting of a body given as Python objects (JSON bodies: the decoders' own limits)
+# Nesting of a schema or other constraint value: the grammar compilers and the answer check walk it
+# recursively (llguidance's JSON reader stops at 128 levels; Python's recursion near 1,000 frames), and
+# real schemas nest a few dozen levels at most.
+MAX_SCHEMA_DEPTH = 64
 
 
 def _fail(message: str, field: str) -> InvalidRequest:
@@ -86,6 +100,23 @@ def check_tree(value: Any) -> InvalidRequest | None:
     return None
 
 
+def check_depth(value: Any, field: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """Refuse ``value`` when its objects and arrays nest more than ``limit`` levels (iteratively, so
+    any depth is measured without exhausting the stack).
+
+    :raises InvalidRequest: naming ``field`` and the limit.
+    """
+    stack: list[tuple[int, Any]] = [(1, value)]
+    while stack:
+        depth, item = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise _fail(f"'{field}' nests objects and arrays more than {limit} levels deep", field)
+        stack.extend((depth + 1, child) for child in children)
+
+
 def _encodes(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -102,24 +133,34 @@ def _no_constant(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON number")
 
 
-def loads_body(raw: bytes) -> Any:
-    """The standard library's parse of ``raw``. :raises InvalidRequest: naming ``body``."""
+def _parse(source: bytes | str) -> Any:
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        return json.loads(source, parse_constant=_no_constant)
     except RecursionError:
         raise _fail("the body is nested too deeply", "body") from None
-    except UnicodeDecodeError:
-        raise _fail("the body is not UTF-8", "body") from None
     except (json.JSONDecodeError, _NotJson) as exc:
         raise _fail(f"the body is not valid JSON: {exc}", "body") from None
+
+
+def loads_body(raw: bytes) -> Any:
+    """The standard library's parse of ``raw``. :raises InvalidRequest: naming ``body``, or the
+    string or key that holds bytes that are not UTF-8."""
+    try:
+        return _parse(raw)
+    except UnicodeDecodeError:
+        pass
+    # Each byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF), which check_tree finds
+    # in the string or key that holds it.
+    error = check_tree(_parse(raw.decode("utf-8", "surrogateescape")))
+    if error is None or error.message != _SURROGATE:
+        raise _fail("the body is not UTF-8", "body")
+    field = (error.field or "body").encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    raise _fail(_NOT_UTF8, field)
 
 
 def _convert(obj: Any, kind: type[T]) -> T:
     if (error := check_tree(obj)) is not None:
         raise error
-    if isinstance(obj, dict) and any(value is None for value in obj.values()):
-        fields = kind.__struct_fields__  # type: ignore[attr-defined]
-        obj = {k: v for k, v in obj.items() if v is not None or k in fields}
     try:
         return msgspec.convert(obj, kind)
     except msgspec.ValidationError as exc:
@@ -141,9 +182,7 @@ def decode_body(body: bytes | Any, kind: type[T]) -> T:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        error = validation_error(exc)
-        if not error.message.startswith("Unrecognized request argument"):
-            raise error from None
-    except (msgspec.DecodeError, RecursionError):
+        raise validation_error(exc) from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         pass  # diagnosed below, where the standard library can say where and why
     return _convert(loads_body(bytes(body)), kind)

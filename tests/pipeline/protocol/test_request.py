@@ -15,6 +15,27 @@ def body(**extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"}], **extra}
 
 
+def nested_schema(levels: int) -> dict[str, Any]:
+    """An object schema ``levels`` objects deep (two JSON levels each: the schema and its properties)."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def nested_json(levels: int) -> str:
+    """JSON text nesting objects ``levels`` deep: deeper than ``json.dumps`` or the stack could build."""
+    return '{"a":' * levels + "1" + "}" * levels
+
+
+def tool(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
 def test_parses_text_and_images_in_order() -> None:
     req = parse_chat_request(
         {
@@ -119,6 +140,11 @@ def test_equal_schemas_share_a_cache_key() -> None:
         (body(presence_penalty=2.5), "presence_penalty"),
         (body(frequency_penalty=-3), "frequency_penalty"),
         (body(logit_bias={"x": 10}), "logit_bias.x"),
+        (body(logit_bias={"9" * 5_000: 1}), "logit_bias." + "9" * 29 + "..."),  # over int()'s digit limit
+        (body(logit_bias={"9" * 20: 1}), "logit_bias." + "9" * 20),
+        (body(tools=[tool(nested_schema(40))], tool_choice="required"), "tools[0].function.parameters"),
+        (body(response_format=json_schema(nested_schema(40))), "response_format.json_schema.schema"),
+        (body(guided_json=json.dumps(nested_schema(40))), "guided_json"),
         (body(seed=1 << 64), "seed"),
         (body(zeta=1), "zeta"),
     ],
@@ -138,11 +164,57 @@ def test_bad_input_names_the_field(bad: Any, field: str) -> None:
         assert info.value.stage == "admission"
 
 
-def test_unset_future_fields_and_null_unknown_fields_pass() -> None:
+@pytest.mark.parametrize(
+    ("template", "field"),
+    [
+        (
+            '"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]',
+            "tools[0].function.parameters",
+        ),
+        (
+            '"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]',
+            "tools[0].function.parameters",
+        ),
+        (
+            '"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": %s}}',
+            "response_format.json_schema.schema",
+        ),
+        ('"guided_json": %s', "guided_json"),
+    ],
+)
+@pytest.mark.parametrize("levels", [65, 900])
+def test_a_schema_nested_too_deep_is_a_400_naming_it(template: str, field: str, levels: int) -> None:
+    # 900 levels pass the JSON decoder and exhausted the recursion of whatever walked the schema next
+    raw = '{"messages": [{"role": "user", "content": "hi"}], ' + template % nested_json(levels) + "}"
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_request(raw.encode())
+    assert (info.value.status, info.value.field) == (400, field)
+    assert "more than 64 levels deep" in info.value.message
+
+
+@pytest.mark.parametrize("levels", [900, 3_000])
+def test_a_schema_string_nested_too_deep_says_so(levels: int) -> None:
+    raw = body(guided_json=nested_json(levels))
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_request(json.dumps(raw).encode())
+    assert (info.value.status, info.value.field) == (400, "guided_json")
+    assert "recursion" not in info.value.message and "deep" in info.value.message
+
+
+def test_fields_at_their_defaults_pass() -> None:
     defaults = {"tools": [], "tool_choice": "none", "logprobs": False, "top_logprobs": 0, "presence_penalty": 0}
-    raw = body(**defaults, frequency_penalty=0.0, logit_bias={}, some_future_field=None)
+    raw = body(**defaults, frequency_penalty=0.0, logit_bias={})
     for given in (raw, json.dumps(raw).encode()):
         assert parse_chat_request(given).sampling.max_tokens == 256
+
+
+def test_an_unknown_field_set_to_null_is_refused() -> None:
+    raw = body(some_future_field=None)
+    for given in (raw, json.dumps(raw).encode()):
+        with pytest.raises(InvalidRequest) as info:
+            parse_chat_request(given)
+        assert info.value.field == "some_future_field"
+        assert info.value.message == "Unrecognized request argument supplied: some_future_field"
 
 
 def test_unknown_fields_use_openais_wording() -> None:

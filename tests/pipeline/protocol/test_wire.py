@@ -45,3 +45,18 @@ def test_lone_surrogates_and_deep_nesting_name_the_field(body: dict[str, Any], f
 def test_a_body_at_the_depth_limit_passes() -> None:
     decoded = decode_body(chat(guided_json=nested(MAX_DEPTH - 2)), ChatCompletionRequest)
     assert decoded.guided_json is not None
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b'{"messages": [{"role": "user", "content": "h\xff\xfei"}]}', "messages[0].content"),
+        (b'{"model": "\xc3(", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        (b'{"max_\xfftokens": 1, "messages": [{"role": "user", "content": "hi"}]}', "max_\\xfftokens"),
+    ],
+)
+def test_bytes_that_are_not_utf8_name_their_string(raw: bytes, field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        decode_body(raw, ChatCompletionRequest)
+    assert (info.value.status, info.value.field) == (400, field)
+    assert "not valid UTF-8" in info.value.message
