@@ -1,8 +1,9 @@
 """API keys: ``/v1/*`` requires ``Authorization: Bearer KEY`` when the server has a key.
 
 The key is compared in constant time (``hmac.compare_digest``: only a length mismatch returns
-early). ``/health``, ``/metrics`` and ``/openapi.json`` stay open unless ``protect_all`` is set, so
-a load balancer's probe and a Prometheus scraper need no secret.
+early); the scheme is case-insensitive, and any bytes after it are a key (a wrong one is a 401).
+``/health``, ``/metrics`` and ``/openapi.json`` stay open unless ``protect_all`` is set, so a load
+balancer's probe and a Prometheus scraper need no secret.
 """
 
 from __future__ import annotations
@@ -27,13 +28,21 @@ def resolve_api_key(given: str | None) -> str | None:
     return given or os.environ.get(API_KEY_ENV) or None
 
 
+def _is_key(authorization: str, api_key: str) -> bool:
+    scheme, _, credentials = authorization.partition(" ")
+    # aiohttp reads header bytes that are not UTF-8 as escaped surrogates: encode them back as they came
+    given = credentials.strip(" ").encode("utf-8", "surrogateescape")
+    matches = hmac.compare_digest(given, api_key.encode())
+    return matches and scheme.lower() == "bearer"  # schemes are case-insensitive (RFC 9110, 11.1)
+
+
 def api_key_refusal(api_key: str, path: str, authorization: str | None, *, protect_all: bool = False) -> Reply | None:
     """The 401 (OpenAI's shape) for a request to ``path`` without ``Bearer api_key``; None: let it in."""
     if not protect_all and path in _OPEN_PATHS:
         return None
     if authorization is None:
         message = "no API key: send 'Authorization: Bearer KEY'"
-    elif not hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+    elif not _is_key(authorization, api_key):
         message = "Incorrect API key provided"
     else:
         return None

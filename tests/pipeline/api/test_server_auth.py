@@ -9,9 +9,10 @@ import openai
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.api.auth import API_KEY_ENV, resolve_api_key
+from pipeline.api.auth import API_KEY_ENV, api_key_refusal, resolve_api_key
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
+from tests.rawhttp import exchange, request_bytes
 from tests.servers import serving
 
 KEY = "sk-test-0123456789"
@@ -75,3 +76,35 @@ def test_the_key_comes_from_the_command_line_or_the_environment(monkeypatch: pyt
     assert resolve_api_key("from-cli") == "from-cli"
     monkeypatch.setenv(API_KEY_ENV, "")
     assert resolve_api_key(None) is None
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_scheme_is_case_insensitive(scheme: str) -> None:
+    assert api_key_refusal(KEY, "/v1/models", f"{scheme} {KEY}") is None
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        "Basic " + KEY,
+        KEY,
+        "Bearer",
+        "Bearer " + KEY + "x",
+        # aiohttp reads header bytes that are not UTF-8 as escaped surrogates
+        b"Bearer \xff\xfe\xc3(".decode("utf-8", "surrogateescape"),
+        "Bearer sk-\u00e9\u4e2d",
+    ],
+)
+def test_a_wrong_or_undecodable_key_is_a_401(authorization: str) -> None:
+    refusal = api_key_refusal(KEY, "/v1/models", authorization)
+    assert refusal is not None and refusal.status == 401
+
+
+async def test_non_ascii_bytes_in_the_header_are_a_401_over_http(pipe: Pipeline) -> None:
+    async with serving(create_app(pipe, api_key=KEY)) as base:
+        for value in (b"Bearer \xff\xfe\x80", "Bearer sk-é".encode(), b"bearer " + KEY.encode()):
+            answer = await exchange(base, request_bytes("GET", "/v1/models", {"Authorization": value}))
+            expected = 200 if value.startswith(b"bearer ") else 401
+            assert answer.status == expected, (value, answer.body)
+            if expected == 401:
+                assert answer.json()["error"]["code"] == "invalid_api_key"
