@@ -29,6 +29,8 @@ _CHUNK = 64 * 1024
 _INLINE_BASE64_LIMIT = 256 * 1024  # larger payloads are decoded in a worker thread (rule 1 of the README)
 _REDIRECTS = (301, 302, 303, 307, 308)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+# a host as yarl gives it: a name (IDNA-encoded), an IPv4 address, or an IPv6 one without brackets
+_HOST = re.compile(r"[A-Za-z0-9._:%-]+")
 # S3 and many CDNs serve uploads as octet-stream; the decode stage checks the bytes themselves
 _ACCEPTED_TYPES = ("application/octet-stream",)
 
@@ -174,16 +176,21 @@ class FetchStage:
                 location = resp.headers.get("Location")
                 if not location:
                     raise self._error(url, f"redirect {resp.status} without a Location", field)
-                target = self._parse_http(url, str(target.join(URL(location))), field)
+                target = self._parse_http(url, location, field, base=target)
         raise self._error(url, f"more than {self.max_redirects} redirects", field)
 
-    def _parse_http(self, url: str, hop: str, field: str) -> URL:
-        try:
-            target = URL(hop)
+    def _parse_http(self, url: str, hop: str, field: str, *, base: URL | None = None) -> URL:
+        """``hop`` (a redirect's Location, relative to ``base``) as an http(s) URL with a valid host."""
+        what = "URL" if base is None else "redirect Location"
+        try:  # any remote host writes the Location: yarl's ValueError must not leave the stage
+            target = URL(hop) if base is None else base.join(URL(hop))
+            target.port  # noqa: B018  # raises for a port out of range
         except ValueError as exc:
-            raise self._error(url, f"malformed URL {_shown(hop)} ({exc})", field) from None
+            raise self._error(url, f"malformed {what} {_shown(hop)} ({exc})", field) from None
         if target.scheme not in ("http", "https") or not target.raw_host:
             raise self._error(url, f"{_shown(hop)} is not an http(s) URL with a host", field)
+        if not _HOST.fullmatch(target.raw_host):
+            raise self._error(url, f"malformed {what} {_shown(hop)} (the host is not a name or address)", field)
         return target
 
     async def _read_body(self, url: str, resp: aiohttp.ClientResponse, field: str) -> bytes:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import pytest
@@ -105,6 +106,9 @@ async def server() -> AsyncIterator[Server]:
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPFound(request.query["to"].replace("PORT", str(state.port)))
 
+    async def location(request: web.Request) -> web.Response:  # any Location, parsed or not
+        return web.Response(status=302, headers={"Location": request.query["to"]})
+
     async def declared_large(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "image/png", "Content-Length": str(10 * CAP)})
         await resp.prepare(request)
@@ -138,6 +142,7 @@ async def server() -> AsyncIterator[Server]:
             web.get("/missing.png", missing),
             web.get("/hops/{n}", hops),
             web.get("/redirect", redirect),
+            web.get("/location", location),
             web.get("/declared-large.png", declared_large),
             web.get("/endless.png", endless),
             web.get("/hang.png", hang),
@@ -238,6 +243,17 @@ async def test_redirects_are_followed_up_to_the_limit(server: Server, local_stag
 async def test_redirect_to_another_scheme_is_refused(server: Server, local_stage: FetchStage) -> None:
     err = await fetch_error(local_stage, f"{server.base}/redirect?to=file:///etc/passwd", ImageFetchError, 400)
     assert "file:///etc/passwd" in err.message
+
+
+@pytest.mark.parametrize(
+    "location",
+    ["http://[::1", "http://[::1/x.png", "http://a b/x.png", "http://127.0.0.1:99999/x.png", "http://h:-1/", "//[::1"],
+)
+async def test_a_malformed_redirect_location_is_refused(server: Server, local_stage: FetchStage, location: str) -> None:
+    # any remote host can answer this: a 400 naming the image, never a ValueError out of the stage
+    err = await fetch_error(local_stage, f"{server.base}/location?to={quote(location)}", ImageFetchError, 400)
+    assert f"malformed redirect Location {location}" in err.message
+    assert server.paths == ["/location"]
 
 
 async def test_hanging_server_hits_the_deadline(server: Server) -> None:
