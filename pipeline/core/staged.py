@@ -19,7 +19,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.errors import Overloaded, PipelineError, RequestCancelled
+from pipeline.errors import DeadlineExceeded, Overloaded, PipelineError, RequestCancelled
 from pipeline.observability.metrics import StageMetrics
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Outcome
@@ -157,7 +157,9 @@ class StageWorkers:
                 job._scope = scope
                 await self.step(job)
         except PipelineError as exc:
-            if exc.status >= 500 and not isinstance(exc, Overloaded):  # a fault, not bad input: keep its cause
+            if isinstance(exc, DeadlineExceeded):  # expected under a slow host or load: one line, no traceback
+                logger.warning("request %s failed in stage %s: %s", job.request_id, self.name, exc)
+            elif exc.status >= 500 and not isinstance(exc, Overloaded):  # a fault, not bad input: keep its cause
                 logger.error("request %s failed in stage %s: %s", job.request_id, self.name, exc, exc_info=True)
             self.metrics.errors[type(exc).__name__] += 1
             job.fail(exc.bind(stage=self.name, request_id=job.request_id))
