@@ -14,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pipeline.api.connections import ConnectionLimits
     from pipeline.config import PipelineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,15 +97,26 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from aiohttp import web
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    from pipeline.api.connections import ConnectionLimits
 
+    return ConnectionLimits(
+        max_connections=args.max_connections,
+        reserved_connections=args.reserved_connections,
+        header_timeout_s=args.header_timeout,
+        keepalive_timeout_s=args.keepalive_timeout,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
     from pipeline.api.auth import resolve_api_key
+    from pipeline.api.listener import listen
     from pipeline.api.server import create_app
     from pipeline.core.pipeline import Pipeline
     from pipeline.observability.trace import Tracer
 
     config = _config(args)
+    limits = _connection_limits(args)  # refuses bad values before the model loads
     print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
@@ -112,24 +124,20 @@ async def serve(args: argparse.Namespace) -> None:
     async with Pipeline(config, tracer=tracer) as pipe:
         pipe.preparation.warm()  # start the preparation workers now, not on the first image
         app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        print(f"serving {pipe.model_name} on http://{args.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        if args.demo or args.once:
-            await _send_demo(port)
-        if not args.once:
-            await stop.wait()
-            print("shutting down: no new requests; finishing those in flight", flush=True)
-        pipe.stop_accepting()
-        await pipe.drain(args.shutdown_timeout)
-        await runner.cleanup()
+        async with listen(app, args.host, args.port, limits) as listener:
+            port = listener.port
+            print(f"serving {pipe.model_name} on {listener.url}", flush=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            if args.demo or args.once:
+                await _send_demo(port)
+            if not args.once:
+                await stop.wait()
+                print("shutting down: no new requests; finishing those in flight", flush=True)
+            pipe.stop_accepting()
+            await pipe.drain(args.shutdown_timeout)
     if tracer is not None:
         tracer.write(args.trace)
         print(f"trace: {tracer.num_events} events written to {args.trace}", flush=True)
@@ -155,6 +163,8 @@ def _default(name: str) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipeline.api.connections import ConnectionLimits
+
     parser = argparse.ArgumentParser(prog="python -m pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="the OpenAI-compatible server")
@@ -207,6 +217,32 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=_default("template_threads"),
         help="chat template + tokenize threads (default: %(default)s)",
+    )
+    limits = ConnectionLimits()
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="connections open at once, the reserve included; lowered to fit the open-file limit "
+        "(default: %(default)s)",
+    )
+    s.add_argument(
+        "--reserved-connections",
+        type=int,
+        default=limits.reserved_connections,
+        help="of those, kept for /health probes when the rest are taken (default: %(default)s)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout_s,
+        help="seconds for a request's head to arrive whole; then 408 and close (default: %(default)s)",
+    )
+    s.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=limits.keepalive_timeout_s,
+        help="seconds an idle keep-alive connection stays open (default: %(default)s)",
     )
     s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
     s.add_argument(

@@ -4,16 +4,19 @@ routes of ``pipeline.api.routes`` (shared with the Ray Serve front end)."""
 from __future__ import annotations
 
 import logging
+import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web_protocol import RequestPayloadError
 
 from pipeline.api.auth import api_key_middleware
 from pipeline.api.openapi import ROUTES
 from pipeline.api.replies import Reply, StreamReply, error_reply
 from pipeline.api.routes import Api
 from pipeline.core.pipeline import Pipeline
-from pipeline.errors import MethodNotAllowed, PayloadTooLarge, PipelineError, RouteNotFound
+from pipeline.errors import InvalidRequest, MethodNotAllowed, PayloadTooLarge, PipelineError, RouteNotFound
 
 __all__ = ["create_app"]
 
@@ -23,6 +26,8 @@ PIPELINE_KEY = web.AppKey("pipeline", Pipeline)
 API_KEY = web.AppKey("api", Api)
 BODY_LIMIT_KEY = web.AppKey("body_limit", int)
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# what aiohttp decodes (br and zstd only with their packages installed: else its parser refuses them)
+_DECODED_ENCODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
 
 
 def to_response(reply: Reply) -> web.Response:
@@ -48,9 +53,15 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> PipelineError:
     return error
 
 
+def new_request_id() -> str:
+    """An id for a request the front end answers itself (the pipeline's ids look the same)."""
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves in OpenAI's JSON shape, aiohttp's own 404/405/413 included."""
+    """Every error leaves in OpenAI's JSON shape, aiohttp's own 404/405/413 included; a 500 carries
+    an id that its log line carries too."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -61,8 +72,19 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
         return response
     except Exception as exc:  # a bug: a 500 in OpenAI's shape, logged once with its traceback
-        logger.exception("%s %s failed", request.method, request.path)
-        return error_response(PipelineError(f"internal error ({type(exc).__name__})"))
+        request_id = new_request_id()
+        logger.exception("request %s: %s %s failed", request_id, request.method, request.path)
+        return error_response(PipelineError(f"internal error ({type(exc).__name__})", request_id=request_id))
+
+
+def _unreadable_body(exc: RequestPayloadError, request: web.Request) -> InvalidRequest:
+    cause = exc.__cause__
+    if isinstance(cause, ContentEncodingError):
+        encoding = request.headers.get("Content-Encoding", "")
+        message = f"the body is not valid {encoding} data, as its Content-Encoding says it is"
+        return InvalidRequest(message, field="Content-Encoding", stage="admission")
+    reason = (cause.message if isinstance(cause, HttpProcessingError) else "") or type(cause or exc).__name__
+    return InvalidRequest(f"the body could not be read ({reason})", field="body", stage="admission")
 
 
 async def respond(request: web.Request, reply: Reply | StreamReply) -> web.StreamResponse:
@@ -91,7 +113,18 @@ async def _answer(request: web.Request) -> web.StreamResponse:
     method = "GET" if request.method == "HEAD" else request.method  # aiohttp answers HEAD on every GET route
     call = request.app[API_KEY].route(method, request.path)
     assert call is not None, f"{request.method} {request.path} is routed but not answered"
-    body = await request.read()  # over the cap: the middleware answers 413
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in _DECODED_ENCODINGS:  # aiohttp would pass the body on as if it were plain
+        error = InvalidRequest(f"Content-Encoding {encoding!r} is not supported", field="Content-Encoding")
+        error.status = 415  # an instance attribute: the class keeps its own
+        return error_response(error)
+    try:
+        body = await request.read()  # over the cap: the middleware answers 413
+    except RequestPayloadError as exc:  # a broken encoding or framing: the connection is spent
+        response = error_response(_unreadable_body(exc, request))
+        response.force_close()
+        request.content.feed_eof()  # nothing more is read from it: no lingering read raises again
+        return response
     return await respond(request, await call(body))
 
 
@@ -112,5 +145,8 @@ def create_app(
     app[PIPELINE_KEY] = pipe
     app[API_KEY] = Api(pipe)
     for route in ROUTES:  # the OpenAPI document's table: every route served is documented
-        app.router.add_route(route.method.upper(), route.path, _answer)
+        if route.method.upper() == "GET":
+            app.router.add_get(route.path, _answer)  # HEAD too: the same head, no body
+        else:
+            app.router.add_route(route.method.upper(), route.path, _answer)
     return app
