@@ -41,8 +41,9 @@ def request_bytes(method: str, path: str, headers: dict[str, bytes | str], body:
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-async def read_response(stream: SocketStream) -> RawResponse:
-    """Read one response (``Content-Length`` framed, or up to the close) from ``stream``."""
+async def read_response(stream: SocketStream, *, head_only: bool = False) -> RawResponse:
+    """Read one response (``Content-Length`` framed, or up to the close) from ``stream``;
+    ``head_only``: the answer to a HEAD request (a ``Content-Length`` but no body)."""
     data = b""
     while b"\r\n\r\n" not in data:
         try:
@@ -55,7 +56,7 @@ async def read_response(stream: SocketStream) -> RawResponse:
     for line in header_lines:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
-    length = headers.get("content-length")
+    length = "0" if head_only else headers.get("content-length")
     while length is None or len(body) < int(length):
         try:
             body += await stream.receive()
@@ -71,4 +72,4 @@ async def exchange(base: str, raw: bytes) -> RawResponse:
     host, port = address(base)
     async with await anyio.connect_tcp(host, port) as stream:
         await stream.send(raw)
-        return await read_response(stream)
+        return await read_response(stream, head_only=raw.startswith(b"HEAD "))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadStatusLine, InvalidURLError
 from aiohttp.web_request import BaseRequest
 
 from pipeline.api.connections import ConnectionGuard, ConnectionLimits, Place, fitted, raise_fd_limit
@@ -43,6 +44,8 @@ def _malformed(status: int, exc: BaseException | None, message: str | None) -> P
     text = (message or (str(exc) if exc is not None else "") or "malformed request").strip()
     text = text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 3] + "..."
     field = next((name for name in _FRAMING_HEADERS if name.lower() in text.lower()), "headers")
+    if isinstance(exc, BadStatusLine | InvalidURLError):
+        field = "request line"
     error: PipelineError = InvalidRequest(f"malformed HTTP request: {text}", field=field, stage="http")
     error.status = status  # an instance attribute: aiohttp's status (400 for a parse error)
     return error

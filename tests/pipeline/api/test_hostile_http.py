@@ -180,6 +180,14 @@ async def test_malformed_http_gets_a_json_400(servers: Servers, head: dict[str, 
     assert (await health(servers.default)).status == 200
 
 
+@pytest.mark.parametrize(
+    "line", [b"G\xffT /health HTTP/1.1", b"GET /health HTTP/9.9", b"GET  HTTP/1.1", b"\x16\x03\x01"]
+)
+async def test_a_malformed_request_line_gets_a_json_400(servers: Servers, line: bytes) -> None:
+    answer = await exchange(servers.default.url, line + b"\r\nHost: x\r\n\r\n")
+    assert_json_error(answer, 400, "request line")
+
+
 async def test_head_health_answers_like_get_without_a_body(servers: Servers) -> None:
     host, port = address(servers.default.url)
     async with await anyio.connect_tcp(host, port) as stream:
