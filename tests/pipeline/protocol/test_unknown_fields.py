@@ -146,6 +146,8 @@ def test_the_first_unknown_field_is_named() -> None:
         assert error.field == "zeta"
 
 
-def test_an_unknown_field_set_to_null_asks_for_nothing() -> None:
+def test_an_unknown_field_set_to_null_is_refused_too() -> None:
     for given in both_forms({"messages": MESSAGES, "functions": None, "min_p": None}):
-        parse_chat_request(given)
+        with pytest.raises(InvalidRequest) as info:
+            parse_chat_request(given)
+        assert info.value.field == "functions"
