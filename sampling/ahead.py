@@ -26,6 +26,10 @@ they now are, and queues step t+1's masking and sampling behind its forward:
 - An exception in a step (on either thread) fails the step's sequences when it is collected; the step
   launched behind it finds them finished.
 
+The loop drives the step's parts (``StepParts``, sampling/step.py) as the synchronous loop does, in
+another order and on two threads, and runs ``StepParts.run()`` for a prefill; it knows nothing of the
+engine that owns it (``LLMEngine`` hands it its parts).
+
 Threads: every torch op of the engine runs on the ``DeviceQueue``'s thread, the forward's inputs
 (``ModelRunner.decode_inputs``) included; the host thread runs the scheduler, the matchers (whose
 batched calls release the GIL) and the detokenizer. On the CPU the forward is the device: its torch ops
@@ -46,7 +50,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -55,10 +59,8 @@ from sampling.logits_process import StepLogprobs
 from sampling.overlap import DeviceQueue
 from sampling.scheduler import DecodeStep, PrefillStep
 from sampling.sequence import SeqState, Sequence
+from sampling.step import StepParts
 from sampling.timeline import StepTiming
-
-if TYPE_CHECKING:
-    from sampling.engine import LLMEngine
 
 __all__ = ["OneStepAhead"]
 
@@ -80,10 +82,10 @@ class _InFlight:
 
 
 class OneStepAhead:
-    """The engine's decode loop one step ahead; ``LLMEngine.step()`` calls ``step()`` when it is on."""
+    """The decode loop one step ahead over an engine's ``StepParts``; ``LLMEngine.step()`` calls ``step()``."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
         self.device = DeviceQueue()
         self.in_flight: _InFlight | None = None
         self._last_commit = 0.0
@@ -98,7 +100,7 @@ class OneStepAhead:
         previous = self.in_flight
         scheduled, refused = self._schedule(previous)
         if isinstance(scheduled, PrefillStep):  # only with nothing in flight: run it synchronously
-            return refused + self.device.call(self.engine._run, scheduled)
+            return refused + self.device.call(self.parts.run, scheduled)
         current = self._launch(scheduled, previous, started) if scheduled is not None else None
         outputs = self._collect(previous) if previous is not None else []
         if current is not None:
@@ -110,17 +112,16 @@ class OneStepAhead:
         """The next step, and the outputs of sequences failed as unfit on the way. With a step in flight
         only a decode of its sequences can follow it; None drains the loop."""
         if previous is None:
-            schedule = self.engine.scheduler.schedule()
-            return schedule.step, self.engine._fail_unfit(schedule.unfit)
-        step = self.engine.scheduler.schedule_ahead(self._wants_more)
+            return self.parts.schedule()
+        step = self.parts.scheduler.schedule_ahead(self._wants_more)
         self.num_drains += step is None
         return step, []
 
     def _wants_more(self, seq: Sequence) -> bool:
         """Whether ``seq`` may run another step after its in-flight token: that token does not reach
-        its ``max_tokens`` or the model's length (then it finishes on commit, as ``_advance`` decides)."""
+        its ``max_tokens`` or the model's length (then it finishes on commit, as ``RequestTable.advance`` decides)."""
         num_outputs = len(seq.output_ids) + seq.num_in_flight
-        return num_outputs < seq.params.max_tokens and seq.num_tokens_launched < self.engine.runner.max_model_len
+        return num_outputs < seq.params.max_tokens and seq.num_tokens_launched < self.parts.runner.max_model_len
 
     def _launch(self, step: DecodeStep, previous: _InFlight | None, started: float) -> _InFlight:
         """Queue ``step``'s forward on the device, behind ``previous`` (``started``: when its scheduling began)."""
@@ -153,21 +154,19 @@ class OneStepAhead:
         tables: list[list[int]],
     ) -> torch.Tensor:
         """On the device thread: ``step``'s forward; ``inputs`` are token ids, or rows of ``previous``'s samples."""
-        timing = step.timing
-        timing.idle += self.device.idle_before()
-        started = time.perf_counter()
+        step.timing.idle += self.device.idle_before()
+        return self.parts.timed(step.timing, self._decode, previous, inputs, positions, tables)
+
+    def _decode(
+        self, previous: _InFlight | None, inputs: list[int], positions: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
         if previous is None:
             ids: list[int] | torch.Tensor = inputs
         elif previous.ids is None:
             raise RuntimeError("the step before this one failed: its tokens are not there")
         else:
             ids = previous.ids if inputs == list(range(len(previous.seqs))) else previous.ids[inputs]
-        runner = self.engine.runner
-        logits = runner.decode(ids, runner.decode_inputs(positions, tables))
-        if self.engine.record_timeline and logits.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # only when timing: serving never waits here
-        timing.forward = time.perf_counter() - started
-        return logits
+        return self.parts.decode(ids, positions, tables)
 
     def _fill_and_sample(self, step: _InFlight) -> None:
         """Fill ``step``'s bitmask from the matchers as they are now, while its forward runs, then queue
@@ -175,11 +174,10 @@ class OneStepAhead:
         are neither filled nor masked."""
         if step.error is not None:
             return
-        engine = self.engine
+        parts = self.parts
         try:
-            # on the CPU greedy rows try their argmax on the matcher before any fill (engine._lazy_mask)
-            defer_greedy = engine.lazy_mask and engine.runner.device.type == "cpu"
-            filled = engine._fill(step.seqs, defer_greedy, step.timing) if self._is_guided(step) else []
+            # every step here is a decode: on the CPU its greedy rows try their argmax before any fill
+            filled = parts.fill(step.seqs, parts.defers_greedy(), step.timing) if self._is_guided(step) else []
             matchers = [s.matcher if s.state is SeqState.RUNNING else None for s in step.seqs]
             step.sampled = self.device.submit(self._sample, step, matchers, filled)
         except Exception as exc:
@@ -196,13 +194,12 @@ class OneStepAhead:
         step.timing.idle += self.device.idle_before()
         logits = step.logits.result()  # done: the forward ran before this job, on this thread
         step.logits = None  # [B, vocab]: not kept alive beside the next step's
-        ids, accepted, logprobs = self.engine._sample(step.seqs, matchers, logits, filled, step.timing)
+        ids, accepted, logprobs = self.parts.sample(step.seqs, matchers, logits, filled, step.timing)
         step.ids = ids
-        return self.engine.copier.start(ids), accepted, logprobs
+        return self.parts.start_copy(ids), accepted, logprobs
 
     def _collect(self, step: _InFlight) -> list[SeqOutput]:
         """Wait for ``step``'s tokens and commit those of its sequences still running."""
-        engine = self.engine
         waited = time.perf_counter()
         try:
             if step.error is not None:
@@ -212,7 +209,7 @@ class OneStepAhead:
             tokens = wait()
             logprobs = step_logprobs.to_host([s.params for s in step.seqs], tokens) if step_logprobs else {}
         except Exception as exc:
-            return engine._fail_step(step.seqs, exc)
+            return self.parts.fail_step(step.seqs, exc)
         finally:
             for seq in step.seqs:
                 seq.num_in_flight -= 1
@@ -221,7 +218,7 @@ class OneStepAhead:
         timing.wait = committed - waited
         live = [row for row, s in enumerate(step.seqs) if s.state is SeqState.RUNNING]
         self.num_discarded += len(step.seqs) - len(live)
-        outputs = engine._commit(
+        outputs = self.parts.commit(
             [step.seqs[row] for row in live],
             [tokens[row] for row in live],
             {i for i, row in enumerate(live) if row in accepted},
@@ -234,5 +231,5 @@ class OneStepAhead:
         begun = max(self._last_commit, step.launched)
         timing.total = ended - begun
         self._last_commit = ended
-        engine._record(timing, begun, ended)
+        self.parts.record(timing, begun, ended)
         return outputs

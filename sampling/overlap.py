@@ -54,7 +54,7 @@ class DeviceQueue:
     """Runs submitted work one job at a time, in submission order, on one thread (under inference mode).
 
     One thread, so every torch op the queue runs uses one OpenMP pool: two threads running torch ops
-    at once give two pools that spin against each other (engine.py's docstring has the numbers).
+    at once give two pools that spin against each other (step.py's docstring has the numbers).
     """
 
     def __init__(self) -> None:

@@ -19,6 +19,7 @@ from sampling.engine import LLMEngine
 from sampling.guided import GuidedDecoder
 from sampling.inputs import SeqOutput
 from sampling.sequence import SeqState, Sequence
+from sampling.step import StepParts
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import SCHEMA, SEEDED, add, prompt, run_all
 
@@ -102,7 +103,7 @@ def test_a_token_after_the_end_is_never_accepted_by_a_matcher(
     accepts exactly the streamed tokens, the discarded one never."""
     accepted: dict[int, list[int]] = {}
     owners: dict[int, Sequence] = {}
-    real_accept, real_ensure = GuidedDecoder.accept, LLMEngine._ensure_matcher
+    real_accept, real_ensure = GuidedDecoder.accept, StepParts.ensure_matcher
 
     def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
         ok = real_accept(matchers, tokens)
@@ -111,14 +112,14 @@ def test_a_token_after_the_end_is_never_accepted_by_a_matcher(
                 accepted.setdefault(id(matcher), []).append(token)
         return ok
 
-    def ensure(self: LLMEngine, seq: Sequence) -> None:
+    def ensure(self: StepParts, seq: Sequence) -> None:
         real_ensure(self, seq)
         if seq.matcher is not None:
             owners[id(seq.matcher)] = seq  # the sequence keeps its matcher alive while it runs
 
     monkeypatch.setattr(GuidedDecoder, "accept", staticmethod(accept))
     monkeypatch.setattr(GuidedDecoder, "try_accept", staticmethod(accept))
-    monkeypatch.setattr(LLMEngine, "_ensure_matcher", ensure)
+    monkeypatch.setattr(StepParts, "ensure_matcher", ensure)
     engine = new_engine(one_step_ahead=True)
     for i in range(4):
         add(engine, f"g{i}", prompt(hf_tokenizer, f"end {i}"), json_grammar, max_tokens=64, temperature=0)
@@ -162,7 +163,7 @@ def test_preemption_and_matcher_replay_give_the_same_outputs(
         for i in range(3):
             ids = prompt(hf_tokenizer, f"plain {i} " * 8)
             add(engine, f"p{i}", ids, max_tokens=70, seed=i, ignore_eos=True, **SEEDED)
-        seqs = [s for r in engine._requests.values() for s in r.seqs]
+        seqs = engine.requests.sequences()
         chunks = drive(engine)
         preemptions.append(sum(s.num_preemptions for s in seqs))
         return chunks
@@ -179,7 +180,7 @@ def test_aborts_in_the_middle_drop_the_token_in_flight(
     in_flight: list[int] = []
 
     def abort(engine: LLMEngine) -> None:
-        seqs = engine._requests["x"].seqs + engine._requests["y"].seqs
+        seqs = engine.requests["x"].seqs + engine.requests["y"].seqs
         in_flight.extend(s.num_in_flight for s in seqs)
         engine.abort("x")
         engine.abort("y")

@@ -126,14 +126,14 @@ def test_abort_frees_the_slot_blocks_and_matchers_at_once(
     add(engine, "keep", prompt(hf_tokenizer, "keep me"), max_tokens=20, temperature=0.0, ignore_eos=True)
     for _ in range(6):
         engine.step()
-    seqs = list(engine._requests["x"].seqs)
+    seqs = list(engine.requests["x"].seqs)
     assert len(seqs) == 2 and all(s.block_table and s.matcher is not None for s in seqs)
     held = sum(len(s.block_table) for s in seqs)
     free_before = engine.scheduler.allocator.num_free
     engine.abort("x")
     assert engine.scheduler.allocator.num_free == free_before + held
     assert all(s.matcher is None and not s.block_table for s in seqs)
-    assert not any(s in engine.scheduler.running for s in seqs) and "x" not in engine._requests
+    assert not any(s in engine.scheduler.running for s in seqs) and "x" not in engine.requests
     add(engine, "waiting", prompt(hf_tokenizer, "never runs"), max_tokens=5)
     engine.abort("waiting")  # aborted before it was ever scheduled
     outputs = run_all(engine)
@@ -170,7 +170,7 @@ def test_preemption_recomputes_and_outputs_stay_valid_and_equal(
             add(engine, f"g{i}", prompt(hf_tokenizer, f"guided {i} " * 6), json_grammar, max_tokens=60, temperature=0)
         add(engine, "seeded", prompt(hf_tokenizer, "seeded"), json_grammar, max_tokens=60, seed=5, **SEEDED)
         add(engine, "plain", prompt(hf_tokenizer, "plain " * 8), max_tokens=50, temperature=0.0, ignore_eos=True)
-        seqs = [s for r in engine._requests.values() for s in r.seqs]
+        seqs = engine.requests.sequences()
         outputs = run_all(engine)
         assert all(o.finish_reason in ("stop", "length") for o in outputs.values()), outputs
         tokens = {k[0]: o.token_ids for k, o in outputs.items()}
@@ -199,7 +199,7 @@ def test_a_prefill_whose_room_growing_decodes_took_is_preempted_not_crashed(
         add(engine, "grows", list(range(100, 100 + 30)), max_tokens=60, temperature=0.0, ignore_eos=True)
         early = engine.step() + engine.step() + engine.step() + engine.step()
         add(engine, "late", list(range(300, 300 + prompt_len)), max_tokens=5, temperature=1.0, seed=1, n=n)
-        seqs = [s for r in engine._requests.values() for s in r.seqs]
+        seqs = engine.requests.sequences()
         outputs = run_all(engine)
         assert all(o.finish_reason == "length" for o in outputs.values()), outputs
         tokens = {f"{k[0]}{k[1]}": o.token_ids for k, o in outputs.items()}
@@ -220,7 +220,7 @@ def test_a_preempted_parent_of_n_children_is_readmitted_alone(new_engine: NewEng
         engine = new_engine(num_blocks=num_blocks)
         add(engine, "old", list(range(100, 108)), max_tokens=100, temperature=0.0, ignore_eos=True)
         add(engine, "pair", list(range(200, 208)), max_tokens=100, temperature=1.0, seed=3, n=2, ignore_eos=True)
-        parent = engine._requests["pair"].seqs[0]
+        parent = engine.requests["pair"].seqs[0]
         outputs = run_all(engine)
         assert all(o.finish_reason == "length" for o in outputs.values()), outputs
         return {k: o.token_ids for k, o in outputs.items()}, parent.num_preemptions
@@ -298,8 +298,7 @@ def test_lazy_mask_gives_exactly_the_masked_outputs(
     new_engine: NewEngine, hf_tokenizer: Any, json_grammar: xgr.CompiledGrammar
 ) -> None:
     def run(lazy: bool) -> dict[str, list[int]]:
-        engine = new_engine(max_running=8)
-        engine.lazy_mask = lazy
+        engine = new_engine(max_running=8, lazy_mask=lazy)
         for i in range(4):
             add(engine, f"greedy{i}", prompt(hf_tokenizer, f"lazy {i}"), json_grammar, max_tokens=48, temperature=0)
         add(engine, "sampled", prompt(hf_tokenizer, "s"), json_grammar, max_tokens=48, seed=3, **SEEDED)

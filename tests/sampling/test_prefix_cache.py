@@ -116,8 +116,8 @@ def test_different_images_never_share_blocks(new_engine: NewEngine, hf_tokenizer
         for _ in range(3):
             engine.step()
         hits[request_id] = stats.hits - before
-        tables[request_id] = list(engine._requests[request_id].seqs[0].block_table)
-    tables["a"] = list(engine._requests["a"].seqs[0].block_table)
+        tables[request_id] = list(engine.requests[request_id].seqs[0].block_table)
+    tables["a"] = list(engine.requests["a"].seqs[0].block_table)
     run_all(engine)
     assert hits == {"b": first_image_block, "a2": full}
     assert tables["b"][:first_image_block] == tables["a"][:first_image_block]  # the text before the image
@@ -166,7 +166,7 @@ def test_aborts_and_preemptions_leave_every_reference_at_zero(new_engine: NewEng
     add(engine, "late", shared + [7] * 30, max_tokens=4, temperature=0)
     engine.step()
     engine.abort("late")  # just admitted, its prefix taken from the cache
-    seqs = [s for r in engine._requests.values() for s in r.seqs]
+    seqs = engine.requests.sequences()
     outputs = run_all(engine)
     assert sum(s.num_preemptions for s in seqs) > 0 and engine.scheduler.allocator.stats.hits > 0
     allocator = engine.scheduler.allocator

@@ -1,0 +1,154 @@
+"""The engine's requests and the life of their sequences: born (added, forked), advanced by a token, finished.
+
+A request holds the ``n`` sequences of one ``EngineInput``: one until its prefill, then the parent and
+its ``n - 1`` forked siblings. ``advance()`` is where a committed token becomes a ``SeqOutput``: it is
+detokenized, checked against the stop strings, the end of the grammar, ``max_tokens`` and the model's
+length; a finished or failed sequence gives its KV blocks back at once, and its request leaves the
+table with its last sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from sampling.detokenizer import Detokenizer, TokenBytes
+from sampling.inputs import EngineInput, SeqOutput
+from sampling.logits_process import TokenLogprob
+from sampling.scheduler import Scheduler
+from sampling.sequence import SeqState, Sequence
+from sampling.stop import StopChecker
+
+__all__ = ["Request", "RequestTable"]
+
+
+@dataclass
+class Request:
+    """One engine input and its sequences (the parent first)."""
+
+    inp: EngineInput
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class RequestTable:
+    """The requests in the engine by id, and the sequences' lifecycle; the scheduler frees their blocks."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        token_bytes: TokenBytes,
+        *,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.scheduler = scheduler
+        self.token_bytes = token_bytes
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.device = device
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, request_id: str) -> Request:
+        return self.requests[request_id]
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.requests
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence of every request in the table."""
+        return [s for request in self.requests.values() for s in request.seqs]
+
+    def add(self, inp: EngineInput) -> None:
+        """Queue a request; its ``n`` sequences share one prefill."""
+        if inp.request_id in self.requests:
+            raise ValueError(f"request {inp.request_id} is already in the engine")
+        seq = self._new_seq(inp, 0, inp.sampling.n)
+        self.requests[inp.request_id] = Request(inp, [seq])
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its slots, blocks and matchers now."""
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else ():
+            self.scheduler.release(seq)
+            seq.matcher = None
+            seq.state = SeqState.FINISHED
+
+    def siblings(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: new sequences for the parent's ``n - 1`` siblings, not in the table until ``adopt``."""
+        request = self.requests[parent.request_id]
+        return [self._new_seq(request.inp, i) for i in range(1, parent.num_siblings)]
+
+    def adopt(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Make ``children`` the forked siblings of ``parent`` once they hold its K/V."""
+        parent.has_forked = True
+        self.requests[parent.request_id].seqs += children
+
+    def _new_seq(self, inp: EngineInput, index: int, num_siblings: int = 1) -> Sequence:
+        generator = None
+        if not inp.sampling.is_greedy:
+            generator = torch.Generator(device=self.device)
+            seed = inp.sampling.seed if inp.sampling.seed is not None else torch.seed()
+            generator.manual_seed((seed * 1_000_003 + index) & 0xFFFF_FFFF_FFFF_FFFF)
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=inp.request_id,
+            index=index,
+            prompt_ids=list(inp.prompt_token_ids),
+            image_embeds=inp.image_embeds,
+            params=inp.sampling,
+            grammar=inp.grammar,
+            detokenizer=Detokenizer(self.token_bytes),
+            generator=generator,
+            stop=StopChecker(inp.sampling.stop),
+            num_siblings=num_siblings,
+            image_keys=list(inp.image_keys),
+            grammar_trigger=inp.grammar_trigger,
+            grammar_start=0 if inp.grammar_trigger is None else None,
+        )
+
+    def advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> SeqOutput:
+        """Append a committed ``token`` (its matcher accepted it): its output, a finish reason if it ends ``seq``."""
+        seq.output_ids.append(token)
+        self.scheduler.cache_computed(seq)  # before a finish frees its blocks: they stay cached
+        if seq.grammar_start is None and token == seq.grammar_trigger:
+            seq.grammar_start = len(seq.output_ids)  # the next step's fill builds the matcher
+        is_eos = token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
+        stop = seq.stop
+        text = "" if is_eos else stop.feed(seq.detokenizer.add(token))
+        reason = None
+        if is_eos or (seq.matcher is not None and seq.matcher.is_terminated()) or stop.hit:
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            text += stop.flush(seq.detokenizer.flush())
+            self._finish(seq, reason)
+        logprobs = [logprob] if logprob is not None else None
+        return SeqOutput(seq.request_id, seq.index, [token], text, reason, None, len(seq.prompt_ids), logprobs)
+
+    def fail(self, seq: Sequence, message: str) -> list[SeqOutput]:
+        """Fail ``seq`` alone; a parent that fails before forking fails its unborn siblings too."""
+        seq.error = message
+        self._finish(seq, "error")
+        unborn = range(1, seq.num_siblings) if not seq.has_forked else range(0)
+        return [
+            SeqOutput(seq.request_id, index, [], "", "error", message, len(seq.prompt_ids))
+            for index in [seq.index, *unborn]
+        ]
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
+        seq.matcher = None
+        self.scheduler.release(seq)
+        request = self.requests.get(seq.request_id)
+        if request and all(s.state is SeqState.FINISHED for s in request.seqs):
+            del self.requests[seq.request_id]

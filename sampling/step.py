@@ -1,0 +1,270 @@
+"""The parts of one engine step, the surface both decode loops drive: schedule, launch, fill, sample, commit, record.
+
+``run()`` is a whole step of the synchronous loop: ``launch()`` runs the forward (on CUDA: queues its
+kernels) while the fill thread fills the step's grammar bitmask (``fill()``); ``sample()`` applies the
+mask to the guided rows and samples (sampling/masked_sampler.py); the ids come back to the host
+(``start_copy()``); ``commit()`` accepts them into the matchers in one batched call and advances the
+sequences (sampling/request_table.py); ``record()`` keeps the step's timing. The one-step-ahead loop
+(sampling/ahead.py) drives the same parts in another order: ``decode()`` and ``sample()`` on its device
+thread, ``fill()`` and ``commit()`` on the host while the next forward runs, and ``run()`` for the
+prefills it does not run ahead. Neither loop reaches past these parts, so each can change alone.
+
+Threads: every torch op of a step runs on one thread (the calling thread; one step ahead, the device
+thread), and the fill thread runs only the grammar backends' fill (xgrammar, llguidance), no torch op:
+torch's OpenMP pool belongs to the thread that calls it, and a forward on one thread beside sampling on
+another gives two pools that spin against each other (on 2 cores: decode steps 30% slower). Hence the
+parts that touch tensors (``launch``, ``decode``, ``sample``, ``start_copy``) and those that do not
+(``fill``, ``commit``) are apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from sampling.guided import new_matcher
+from sampling.inputs import SeqOutput
+from sampling.logits_process import StepLogprobs, TokenLogprob
+from sampling.masked_sampler import MaskedSampler, is_lazy
+from sampling.model_runner import ModelRunner
+from sampling.overlap import HostCopier
+from sampling.request_table import RequestTable
+from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
+from sampling.sequence import SeqState, Sequence
+from sampling.timeline import StepTiming
+
+__all__ = ["StepParts"]
+
+logger = logging.getLogger(__name__)
+
+
+class StepParts:
+    """The parts of a step over the engine's runner, scheduler, requests and sampler; one per engine."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        requests: RequestTable,
+        sampler: MaskedSampler,
+        *,
+        max_rows: int,
+        record_timeline: bool = False,
+        tracer: Any = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.requests = requests
+        self.sampler = sampler
+        self.guided = sampler.guided
+        self.copier = HostCopier(runner.device, max_rows)
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
+        self.record_timeline = record_timeline
+        self.timeline: list[StepTiming] = []
+        self.tracer = tracer  # anything with pipeline.observability.trace.Tracer's span(): one span per step
+
+    def schedule(self) -> tuple[PrefillStep | DecodeStep | None, list[SeqOutput]]:
+        """The next step (None: nothing can run), and the outputs of the sequences failed as unfit on the way."""
+        schedule = self.scheduler.schedule()
+        total = self.scheduler.allocator.num_blocks * self.runner.block_size
+        message = f"the sequence needs more KV cache than the whole cache holds ({total} tokens)"
+        return schedule.step, [out for seq in schedule.unfit for out in self.requests.fail(seq, message)]
+
+    def run(self, step: PrefillStep | DecodeStep) -> list[SeqOutput]:
+        """Launch, sample and commit one step; a step that raises fails its sequences alone."""
+        timing = StepTiming("prefill" if isinstance(step, PrefillStep) else "decode", 0)
+        started = time.perf_counter()
+        try:
+            seqs, logits, filled = self.launch(step, timing)
+            outputs: list[SeqOutput] = []
+            if seqs:
+                assert logits is not None
+                ids, accepted, step_logprobs = self.sample(seqs, [s.matcher for s in seqs], logits, filled, timing)
+                copied = time.perf_counter()
+                tokens = self.start_copy(ids)()
+                timing.copy = time.perf_counter() - copied
+                logprobs = step_logprobs.to_host([s.params for s in seqs], tokens) if step_logprobs else {}
+                outputs = self.commit(seqs, tokens, accepted, timing, logprobs)
+        except Exception as exc:  # a bug or device error: fail this step's requests, keep serving
+            return self.fail_step([step.seq] if isinstance(step, PrefillStep) else step.seqs, exc)
+        ended = time.perf_counter()
+        timing.total = ended - started
+        self.record(timing, started, ended)
+        return outputs
+
+    def launch(
+        self, step: PrefillStep | DecodeStep, timing: StepTiming
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[int]]:
+        """Run the step's forward with the bitmask fill beside it: the sequences that sample this
+        step (none for a prefill chunk that is not the last), their logits ``[B, vocab]`` and the
+        bitmask rows filled."""
+        runner = self.runner
+        if isinstance(step, PrefillStep):
+            seq = step.seq
+            chunk = seq.tokens(step.start, step.end)
+            image_rows = seq.image_rows(step.start, step.end, runner.image_token_id)
+            forward = functools.partial(runner.prefill, chunk, step.start, seq.block_table, image_rows)
+            if not step.is_last_chunk:
+                self.timed(timing, forward)
+                seq.num_computed = step.end
+                self.scheduler.cache_computed(seq)
+                return [], None, []
+            seqs = [seq]
+        else:
+            seqs = step.seqs
+            forward = functools.partial(self._decode, seqs)
+        defer_greedy = isinstance(step, DecodeStep) and self.defers_greedy()
+        guided = any(s.grammar is not None for s in seqs)
+        fill = self._filler.submit(self.fill, seqs, defer_greedy, timing) if guided else None
+        try:
+            logits = self.timed(timing, forward)
+        except BaseException:
+            if fill is not None:
+                futures.wait([fill])  # the fill thread must be done with these matchers before they are failed
+            raise
+        waited = time.perf_counter()
+        filled = fill.result() if fill is not None else []
+        timing.wait = time.perf_counter() - waited
+        if isinstance(step, PrefillStep):
+            step.seq.num_computed = step.end
+            self.scheduler.cache_computed(step.seq)
+            if step.seq.num_siblings > 1 and not step.seq.has_forked:
+                seqs = self._fork(step.seq)
+                filled = list(range(len(seqs))) if filled else []
+                logits = logits.expand(len(seqs), -1).contiguous()
+        else:
+            for s in seqs:
+                s.num_computed = s.num_tokens
+        timing.batch = len(seqs)
+        return seqs, logits, filled
+
+    def decode(self, ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """The decode forward of ``ids`` at ``positions``: its inputs are built beside it, on the same thread."""
+        return self.runner.decode(ids, self.runner.decode_inputs(positions, tables))
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        positions = [s.num_tokens - 1 for s in seqs]
+        return self.decode(
+            [s.token_at(p) for s, p in zip(seqs, positions, strict=True)], positions, [s.block_table for s in seqs]
+        )
+
+    def timed(self, timing: StepTiming, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+        """``fn(*args)``, the step's forward, timed as such."""
+        started = time.perf_counter()
+        out = fn(*args)
+        if self.record_timeline and out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # only when timing: serving never waits here
+        timing.forward = time.perf_counter() - started
+        return out
+
+    def defers_greedy(self) -> bool:
+        """Whether a decode's fill leaves its greedy rows to ``sample`` (MaskedSampler.defers_greedy)."""
+        return self.sampler.defers_greedy(self.runner.device)
+
+    def fill(self, seqs: list[Sequence], defer_greedy: bool, timing: StepTiming) -> list[int]:
+        """On the fill thread: build missing matchers and fill the step's bitmask rows (but those of
+        greedy rows when ``defer_greedy``); the rows filled."""
+        started = time.perf_counter()
+        for s in seqs:
+            self.ensure_matcher(s)
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not (defer_greedy and is_lazy(s))]
+        if rows:
+            self.guided.fill([seqs[i].matcher for i in rows], rows)
+        timing.fill = time.perf_counter() - started
+        return rows
+
+    def ensure_matcher(self, seq: Sequence) -> None:
+        """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
+        (after a preemption); none before its trigger token."""
+        start = seq.grammar_start
+        if seq.grammar is not None and seq.matcher is None and start is not None and seq.state is not SeqState.FINISHED:
+            seq.matcher = new_matcher(seq.grammar, seq.output_ids[start:])
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the parent and its siblings, each sharing its prefilled K/V (copying the partial last
+        block) and with its own matcher."""
+        children = self.requests.siblings(parent)
+        for child in children:
+            src, dst = self.scheduler.fork(parent, child)
+            if src:
+                self.runner.copy_blocks(src, dst)
+            self.ensure_matcher(child)
+            if child.matcher is not None:  # a fresh matcher's mask equals the parent's (row 0)
+                self.guided.copy_row(0, child.index)
+        self.requests.adopt(parent, children)
+        return [parent, *children]
+
+    def sample(
+        self,
+        seqs: list[Sequence],
+        matchers: list[Any | None],
+        logits: torch.Tensor,
+        filled: list[int],
+        timing: StepTiming,
+    ) -> tuple[torch.Tensor, set[int], StepLogprobs | None]:
+        """The ids ``[B]`` on the device, the rows accepted already and the log probabilities (MaskedSampler.sample)."""
+        return self.sampler.sample(seqs, matchers, logits, filled, timing)
+
+    def start_copy(self, ids: torch.Tensor) -> Callable[[], list[int]]:
+        """Begin copying ``ids`` ``[B]`` to the host; the returned function waits and gives the list."""
+        return self.copier.start(ids)
+
+    def commit(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        accepted_rows: set[int],
+        timing: StepTiming,
+        logprobs: dict[int, TokenLogprob],
+    ) -> list[SeqOutput]:
+        """Accept the tokens into the matchers (but ``accepted_rows``'), detokenize, check stop conditions,
+        finish sequences: their outputs."""
+        t0 = time.perf_counter()
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None and i not in accepted_rows]
+        accepted = dict(
+            zip(
+                guided,
+                self.guided.accept([seqs[i].matcher for i in guided], [tokens[i] for i in guided]),
+                strict=True,
+            )
+        )
+        timing.accept += time.perf_counter() - t0
+        outputs = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if not accepted.get(row, True):
+                outputs += self.requests.fail(seq, f"token {token} was rejected by the grammar")
+                continue
+            outputs.append(self.requests.advance(seq, token, logprobs.get(row)))
+        return outputs
+
+    def fail_step(self, seqs: list[Sequence], exc: Exception) -> list[SeqOutput]:
+        """Fail those of ``seqs`` still running (an exception in their step: a bug or a device error)."""
+        failed = [s for s in seqs if s.state is not SeqState.FINISHED]
+        if not failed:
+            return []
+        logger.error("engine step failed; failing requests %s", sorted({s.request_id for s in failed}), exc_info=exc)
+        return [out for seq in failed for out in self.requests.fail(seq, f"engine step failed: {exc!r}")]
+
+    def record(self, timing: StepTiming, started: float, ended: float) -> None:
+        """Keep the step's timing (``record_timeline``) and trace it as a span from ``started`` to ``ended``."""
+        if self.record_timeline:
+            self.timeline.append(timing)
+        if self.tracer is not None:
+            self.tracer.span(
+                timing.kind,
+                "step",
+                None,
+                started,
+                ended,
+                batch=timing.batch,
+                forward_ms=timing.forward * 1e3,
+                fill_ms=timing.fill * 1e3,
+                sample_ms=timing.sample * 1e3,
+            )
