@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from sampling import llguidance_backend
-from sampling.llguidance_backend import LLGrammar, LLGuidanceMatcher
+from sampling import llguidance_matcher
+from sampling.llguidance_matcher import LLGrammar, LLGuidanceMatcher
 
 __all__ = ["GuidedDecoder", "new_matcher"]
 
@@ -35,7 +35,7 @@ def new_matcher(grammar: Any, replay: Sequence[int] = ()) -> Any:
     :raises ValueError: if a replayed token is rejected.
     """
     if isinstance(grammar, LLGrammar):
-        return llguidance_backend.new_matcher(grammar, replay)
+        return llguidance_matcher.new_matcher(grammar, replay)
     matcher = xgr.GrammarMatcher(grammar)
     for token in replay:
         if not matcher.accept_token(token):
@@ -53,7 +53,7 @@ class GuidedDecoder:
         if device.type == "cuda":
             self.host_bitmask = self.host_bitmask.pin_memory()
         self._batch = xgr.BatchGrammarMatcher(max_threads)
-        self._llguidance = llguidance_backend.BitmaskFiller(max_threads)
+        self._llguidance = llguidance_matcher.BitmaskFiller(max_threads)
         self._apply_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-apply")
 
     def fill(self, matchers: list[Any], rows: list[int]) -> None:

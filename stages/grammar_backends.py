@@ -22,7 +22,9 @@ import xgrammar as xgr
 
 from pipeline.errors import GrammarError, PipelineError, UnsupportedSchemaError
 from pipeline.types import GrammarSpec
-from sampling.llguidance_backend import LLGrammar, LLGuidanceBackend, close_schema
+from sampling.llguidance_backend import LLGuidanceBackend
+from sampling.llguidance_matcher import LLGrammar
+from sampling.llguidance_schema import close_schema
 from stages.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
 from stages.schema_support import check_schema_support
 

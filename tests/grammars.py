@@ -6,7 +6,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from sampling.llguidance_backend import LLGrammar, new_matcher
+from sampling.llguidance_matcher import LLGrammar, new_matcher
 
 EOS = 2  # </s> of the embedded tokenizer
 
