@@ -95,6 +95,19 @@ class PipelineConfig:
     # cannot be interrupted; xgrammar's worst took 72 s here). The server sets it, so that it exits
     # within --shutdown-timeout; a library user's `async with Pipeline` waits (nothing left running).
     grammar_abandon_on_shutdown: bool = False
+    # What one constraint may hold before it reaches a native compiler (stages/grammar_limits.py);
+    # beyond a bound: a 400 naming the field and the limit. Chosen by measuring both backends
+    # (xgrammar 0.2.8, llguidance 1.9) at several sizes of each kind (GrammarLimits says why each);
+    # past them a chain of 3,000 $refs overflowed llguidance's stack and compile time and memory
+    # grow faster than the input.
+    grammar_max_bytes: int = 256 * 1024  # the constraint's JSON: schema, grammar, regex or choices
+    grammar_max_schema_nodes: int = 10_000  # objects and arrays in one schema
+    grammar_max_schema_depth: int = 128  # nesting levels, each $ref followed counting one more
+    grammar_max_enum_values: int = 10_000  # entries of one enum or choice
+    grammar_max_literal_bytes: int = 16 * 1024  # one const, enum value, choice or property name
+    grammar_max_rules: int = 1_000  # rules of one EBNF/Lark grammar
+    grammar_max_regex_bytes: int = 16 * 1024  # one regex or pattern
+    grammar_max_nesting: int = 200  # parentheses nested in a grammar or regex
     # JSON grammars forbid free whitespace by default: a weak model under a grammar that allows it
     # writes "{" followed by whitespace until max_tokens.
     json_any_whitespace: bool = False
@@ -134,6 +147,14 @@ class PipelineConfig:
             "vision_encode_threads": self.vision_encode_threads,
             "grammar_cache_bytes": self.grammar_cache_bytes,
             "grammar_max_concurrent_compiles": self.grammar_max_concurrent_compiles,
+            "grammar_max_bytes": self.grammar_max_bytes,
+            "grammar_max_schema_nodes": self.grammar_max_schema_nodes,
+            "grammar_max_schema_depth": self.grammar_max_schema_depth,
+            "grammar_max_enum_values": self.grammar_max_enum_values,
+            "grammar_max_literal_bytes": self.grammar_max_literal_bytes,
+            "grammar_max_rules": self.grammar_max_rules,
+            "grammar_max_regex_bytes": self.grammar_max_regex_bytes,
+            "grammar_max_nesting": self.grammar_max_nesting,
             "max_running_seqs": self.max_running_seqs,
             "max_model_len": self.max_model_len,
             "kv_block_size": self.kv_block_size,

@@ -16,15 +16,37 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
-__all__ = ["BitmaskFiller", "LLGrammar", "LLGuidanceMatcher", "batch_accept", "clean_message", "new_matcher"]
+__all__ = [
+    "INTERNAL_FAILURE",
+    "BitmaskFiller",
+    "LLGrammar",
+    "LLGuidanceMatcher",
+    "batch_accept",
+    "clean_library_message",
+    "clean_message",
+    "new_matcher",
+]
 
 _RUST_SOURCE = re.compile(r"\S+\.rs:\d+(:\d+)?")
 _MAX_MESSAGE = 1000
+# a panic's message and backtrace name build paths and library internals: never a client's business
+_PANIC = re.compile(r"panicked at|stack backtrace|RUST_BACKTRACE")
+_BUILD_PATH = re.compile(r"/(?:home|root|rustc|usr|opt|tmp|build|workspace|Users|cargo|github|runner)/[^\s:\"',)]*")
+#: what a client is told when a grammar library fails inside (a panic), instead of its backtrace
+INTERNAL_FAILURE = "the grammar library failed on it (an internal error; a smaller constraint may compile)"
+
+
+def clean_library_message(message: str) -> str:
+    """A grammar library's message fit for a client: no panic, backtrace or build path."""
+    if _PANIC.search(message):
+        return INTERNAL_FAILURE
+    return re.sub(r"(?<=\S) {2,}(?=\S)", " ", _BUILD_PATH.sub("", message))
 
 
 def clean_message(message: str) -> str:
-    """An llguidance error message fit for a client: no Rust source locations, at most 1000 characters."""
-    text = _RUST_SOURCE.sub("", message).strip()
+    """An llguidance error message fit for a client: no Rust source locations, panic or build path,
+    at most 1000 characters."""
+    text = clean_library_message(_RUST_SOURCE.sub("", message)).strip()
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + " ..."
 
 

@@ -14,6 +14,9 @@ bounded, and unable to starve the server.
 - Concurrent identical compiles share one job. Jobs belong to the stage's task group, not to the
   first caller, so that caller's cancellation does not cancel the job for the others.
 - A waiter gives up after ``timeout_s`` with a 504.
+- What reaches a compiler is bounded (``stages.grammar_limits``): the size on the loop (the cache
+  key holds it), the rest in the compile thread. Each compile runs on a thread with a large stack
+  and a large one trims the heap after it (``stages.native_calls``).
 """
 
 from __future__ import annotations
@@ -30,19 +33,27 @@ from anyio.abc import TaskGroup
 from pipeline.errors import DeadlineExceeded, GrammarError, PipelineError, UnsupportedSchemaError
 from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
+from sampling.llguidance_matcher import INTERNAL_FAILURE
 from stages.answer_check import AnswerCheck
 from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar_dispatch import LLGUIDANCE_KINDS, choose_backend
+from stages.grammar_limits import GrammarLimits, check_limits, check_size
+from stages.native_calls import release_free_memory, run_on_large_stack
 
 __all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
 
 _ERROR_BYTES = 1024
+# After a compile this long, or of a spec this large, the heap is trimmed: its peak (a 20,000-rule
+# grammar: over 1 GB) would otherwise stay with the process
+_TRIM_AFTER_S = 0.5
+_TRIM_AFTER_CHARS = 64 * 1024
 
 
 @dataclass
 class GrammarStats:
     hits: int = 0
     misses: int = 0
+    evictions: int = 0
     errors: int = 0
     timeouts: int = 0
     compile_seconds: float = 0.0
@@ -76,6 +87,7 @@ class GrammarStage:
         xgrammar_budget_s: float = 0.5,
         backend: str = "auto",
         abandon_on_shutdown: bool = False,
+        limits: GrammarLimits | None = None,
     ) -> None:
         if backend not in ("auto", "xgrammar", "llguidance"):
             raise ValueError(f"backend must be auto, xgrammar or llguidance, got {backend!r}")
@@ -86,6 +98,7 @@ class GrammarStage:
         }
         self.timeout_s = timeout_s
         self.cache_bytes = cache_bytes
+        self.limits = limits if limits is not None else GrammarLimits()
         self.xgrammar_budget_s = xgrammar_budget_s
         self.limiter = anyio.CapacityLimiter(max_concurrent)  # xgrammar compiles: seconds each
         self.fast_limiter = anyio.CapacityLimiter(max_concurrent)  # llguidance compiles: milliseconds
@@ -120,6 +133,7 @@ class GrammarStage:
         self._cached_bytes += size
         while self._cached_bytes > self.cache_bytes:
             self._evict(next(iter(self._cache)))
+            self.stats.evictions += 1
 
     def _evict(self, key: str) -> None:
         entry = self._cache.pop(key, None)
@@ -141,7 +155,9 @@ class GrammarStage:
         return {
             "hits": self.stats.hits,
             "misses": self.stats.misses,
+            "evictions": self.stats.evictions,
             "bytes": self._cached_bytes,
+            "bytes_bound": self.cache_bytes,
             "entries": len(self._cache),
         }
 
@@ -157,7 +173,19 @@ class GrammarStage:
             await next(iter(self._flights.values())).wait()
 
     def _compile_sync(self, backend: str, spec: GrammarSpec) -> Compiled:
-        return self.compilers[backend].compile(spec)
+        check_limits(spec, self.limits)
+        started = time.perf_counter()
+        try:
+            return run_on_large_stack(lambda: self.compilers[backend].compile(spec))
+        except BaseException as exc:
+            # a Rust panic that llguidance's bindings let through is pyo3's PanicException, a
+            # BaseException: it fails this spec, not the stage's task group
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise GrammarError(f"could not compile the {spec.kind}: {INTERNAL_FAILURE}", field=spec.field) from None
+        finally:
+            if time.perf_counter() - started > _TRIM_AFTER_S or len(spec.key) > _TRIM_AFTER_CHARS:
+                release_free_memory()
 
     async def _job(self, backend: str, reason: str, spec: GrammarSpec, flight: Outcome[CompiledConstraint]) -> None:
         started = time.perf_counter()
@@ -249,12 +277,18 @@ class GrammarStage:
         :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
         """
-        cached = self._cache.get(spec.key)
+        key = spec.key
+        cached = self._cache.get(key)
         if cached is not None:
             self.stats.hits += 1
-            self._cache.move_to_end(spec.key)
+            self._cache.move_to_end(key)
             return self._unwrap(cached, request_id)
         self.stats.misses += 1
+        try:
+            check_size(spec, key, self.limits)  # before the loop walks the spec to choose a backend
+        except GrammarError as exc:
+            self.stats.errors += 1
+            raise exc.bind(stage=self.name, request_id=request_id) from None
         with anyio.move_on_after(self.timeout_s) as scope:
             flight = await self._resolve(spec)
         if scope.cancelled_caught:

@@ -16,6 +16,7 @@ from stages.encoder_cache import EncoderCache
 from stages.fetch import FetchStage
 from stages.grammar import GrammarStage
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar_limits import GrammarLimits
 from stages.process_pool import ImagePool
 from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage
@@ -51,6 +52,16 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
         abandon_on_shutdown=config.grammar_abandon_on_shutdown,
+        limits=GrammarLimits(
+            max_bytes=config.grammar_max_bytes,
+            max_schema_nodes=config.grammar_max_schema_nodes,
+            max_schema_depth=config.grammar_max_schema_depth,
+            max_enum_values=config.grammar_max_enum_values,
+            max_literal_bytes=config.grammar_max_literal_bytes,
+            max_grammar_rules=config.grammar_max_rules,
+            max_regex_bytes=config.grammar_max_regex_bytes,
+            max_nesting=config.grammar_max_nesting,
+        ),
     )
 
 

@@ -9,6 +9,8 @@ import anyio
 import pytest
 
 from pipeline.errors import DeadlineExceeded, GrammarError, InvalidRequest
+from pipeline.observability.metrics import Metrics
+from pipeline.observability.prometheus import MetricsExporter
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint, GrammarStage
 from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler, clean_message
@@ -145,6 +147,23 @@ async def test_cache_is_bounded_by_bytes(grammar_compilers: tuple[Any, Any]) -> 
         await stage.compile(spec)
     assert 0 < stage.cached_bytes <= stage.cache_bytes
     assert stage.lookup(specs[-1]) is not None and stage.lookup(specs[0]) is None  # least recent out
+
+
+async def test_the_cache_exports_its_bound_and_evictions(grammar_compilers: tuple[Any, Any]) -> None:
+    stage = make_stage(grammar_compilers, cache_bytes=4 * 1024 * 1024)
+    for i in range(1, 40):
+        await stage.compile(GrammarSpec("regex", f"[a-z]{{{i}}}x", field="regex"))
+    metrics = Metrics()
+    metrics.register_cache("grammar", stage.cache_counters)
+    exposition = MetricsExporter(metrics).render().decode()
+    samples = {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in exposition.splitlines())
+        if name.endswith('{cache="grammar"}')
+    }
+    assert samples['pipeline_cache_bytes_bound{cache="grammar"}'] == 4 * 1024 * 1024
+    assert samples['pipeline_cache_evictions_total{cache="grammar"}'] == stage.stats.evictions > 0
+    assert samples['pipeline_cache_bytes{cache="grammar"}'] == stage.cached_bytes
 
 
 async def test_concurrent_identical_compiles_share_one_job(grammar_compilers: tuple[Any, Any]) -> None:
