@@ -18,7 +18,7 @@ import xgrammar as xgr
 from sampling import llguidance_matcher
 from sampling.llguidance_matcher import LLGrammar, LLGuidanceMatcher
 
-__all__ = ["GuidedDecoder", "new_matcher"]
+__all__ = ["GuidedDecoder", "new_matcher", "refusal"]
 
 _SPLIT_APPLY_ROWS = 8  # below this, a thread hop costs more than it saves
 # A row that allows at most this many 32-token mask words (8,192 tokens) is masked by gathering its
@@ -41,6 +41,16 @@ def new_matcher(grammar: Any, replay: Sequence[int] = ()) -> Any:
         if not matcher.accept_token(token):
             raise ValueError(f"replayed token {token} rejected by the grammar")
     return matcher
+
+
+def refusal(matcher: Any, token: int) -> tuple[str, str | None]:
+    """Why ``matcher`` refused ``token``: the message and its kind, ``"constraint"`` when the matcher
+    gave up on its grammar for good (llguidance: a parser or lexer limit reached after its mask had
+    allowed the token), None for a plain refusal (a token its mask did not allow: a bug)."""
+    error = matcher.error() if isinstance(matcher, LLGuidanceMatcher) else None
+    if error is not None:
+        return f"guided decoding cannot follow this constraint past token {token}: {error}", "constraint"
+    return f"token {token} was rejected by the grammar", None
 
 
 class GuidedDecoder:

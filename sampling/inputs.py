@@ -57,3 +57,6 @@ class SeqOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    # "constraint": the grammar engine gave up on the request's constraint (a limit of its parser or
+    # lexer), the client's 400; None: any other error, the engine's 500
+    error_kind: str | None = None

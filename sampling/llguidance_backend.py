@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LLGuidanceBackend"]
 
+# parser items in one row: see LLGuidanceBackend's limits
+_MAX_ITEMS_IN_ROW = 25_000
+
 _JSON_ERROR = "could not compile the json_schema: "
 # llguidance messages that mean "cannot enforce this", not "invalid schema", as the keyword concerned
 _LIMITATIONS = {
@@ -95,8 +98,15 @@ class LLGuidanceBackend:
         # (1M, 200k) refused valid instances of a word-count pattern with maxLength in the corpus;
         # 20M / 2M (about 1.4 s / 140 ms of lexer work at most) accepted them all. Verbose errors
         # would put the parser state and the grammar into a client's 400.
+        # A parser row holds about 4 items per optional property of a JSON object (600 made 2,399):
+        # at the default cap of 2,000 the first token of such an answer failed the matcher after
+        # its mask had allowed it. 25,000 takes some 6,000 optional properties and still stops a
+        # right-recursive grammar whose rows grow with the text.
         self._limits = llguidance.LLParserLimits(
-            initial_lexer_fuel=20_000_000, step_lexer_fuel=2_000_000, verbose_errors=False
+            initial_lexer_fuel=20_000_000,
+            step_lexer_fuel=2_000_000,
+            max_items_in_row=_MAX_ITEMS_IN_ROW,
+            verbose_errors=False,
         )
 
     def _build(self, kind: str, grammar: str, *, field: str | None) -> LLGrammar:
@@ -187,7 +197,9 @@ class LLGuidanceBackend:
         """
         if not choices or not all(isinstance(c, str) for c in choices):
             raise GrammarError("could not compile the choice: it must be a non-empty list of strings", field=field)
-        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        # One lexeme (a terminal), not one parser alternative per choice: the parser's row held one
+        # item per choice and a list of 2,000 or more failed the matcher on its first token.
+        lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         return self._build("choice", llguidance.LLMatcher.grammar_from_lark(lark), field=field)
 
     def fill(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:

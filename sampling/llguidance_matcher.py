@@ -101,6 +101,13 @@ class LLGuidanceMatcher:
         """Whether the text so far is complete (the stop token would be accepted)."""
         return not self._is_terminated and self._matcher.is_accepting()
 
+    def error(self) -> str | None:
+        """Why the matcher gave up for good (a parser or lexer limit reached), or None while it works:
+        a token it then refuses was refused by the limit, not by the grammar."""
+        if not self._matcher.is_error():
+            return None
+        return clean_message(self._matcher.get_error().replace("<non-verbose/>", "").strip())
+
 
 def new_matcher(grammar: LLGrammar, replay: Sequence[int] = ()) -> LLGuidanceMatcher:
     """A fresh matcher advanced over ``replay`` (tokens accepted before a preemption).

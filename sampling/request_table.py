@@ -134,13 +134,14 @@ class RequestTable:
         logprobs = [logprob] if logprob is not None else None
         return SeqOutput(seq.request_id, seq.index, [token], text, reason, None, len(seq.prompt_ids), logprobs)
 
-    def fail(self, seq: Sequence, message: str) -> list[SeqOutput]:
-        """Fail ``seq`` alone; a parent that fails before forking fails its unborn siblings too."""
+    def fail(self, seq: Sequence, message: str, kind: str | None = None) -> list[SeqOutput]:
+        """Fail ``seq`` alone (``kind``: ``SeqOutput.error_kind``); a parent that fails before forking
+        fails its unborn siblings too."""
         seq.error = message
         self._finish(seq, "error")
         unborn = range(1, seq.num_siblings) if not seq.has_forked else range(0)
         return [
-            SeqOutput(seq.request_id, index, [], "", "error", message, len(seq.prompt_ids))
+            SeqOutput(seq.request_id, index, [], "", "error", message, len(seq.prompt_ids), error_kind=kind)
             for index in [seq.index, *unborn]
         ]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sampling.guided import new_matcher
+from sampling.guided import new_matcher, refusal
 from sampling.inputs import SeqOutput
 from sampling.logits_process import StepLogprobs, TokenLogprob
 from sampling.masked_sampler import MaskedSampler, is_lazy
@@ -239,7 +239,9 @@ class StepParts:
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if not accepted.get(row, True):
-                outputs += self.requests.fail(seq, f"token {token} was rejected by the grammar")
+                message, kind = refusal(seq.matcher, token)
+                logger.error("request %s: %s", seq.request_id, message)
+                outputs += self.requests.fail(seq, message, kind)
                 continue
             outputs.append(self.requests.advance(seq, token, logprobs.get(row)))
         return outputs

@@ -13,7 +13,7 @@ import anyio
 
 from pipeline.core.answer_gate import AnswerGate, resample_params
 from pipeline.core.preparation import PreparedInput
-from pipeline.errors import EngineError, Overloaded, PipelineError, RequestCancelled
+from pipeline.errors import EngineError, GrammarError, Overloaded, PipelineError, RequestCancelled
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Mailbox, Outcome
@@ -216,7 +216,7 @@ class RequestHandle:
         try:
             async for out in stream:
                 if out.error is not None:
-                    raise EngineError(out.error, stage="engine", request_id=self.request_id)
+                    raise self._engine_error(out)
                 tokens += len(out.token_ids)
                 self._metrics.tokens_generated += len(out.token_ids)
                 yield out
@@ -225,6 +225,15 @@ class RequestHandle:
                 self._tracer.span("decode", "engine", self.request_id, submitted, time.perf_counter(), tokens=tokens)
             if not stream.is_finished:
                 self._engine.abort(inp.request_id)  # frees its KV slot and matcher at the next step
+
+    def _engine_error(self, out: SeqOutput) -> PipelineError:
+        """A failed sequence's error: the client's 400 when the grammar engine gave up on its
+        constraint (a limit it reached), naming the constraint's field; else the engine's 500."""
+        if out.error_kind == "constraint":
+            spec = self.request.grammar
+            field = spec.field if spec is not None else None
+            return GrammarError(out.error or "", field=field, stage="engine", request_id=self.request_id)
+        return EngineError(out.error or "", stage="engine", request_id=self.request_id)
 
     async def _resample(self, inp: EngineInput, gate: AnswerGate) -> None:
         """Sample each failed choice again (non-streaming only) until it passes or the attempts run out.

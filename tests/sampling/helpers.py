@@ -50,5 +50,5 @@ def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[tuple[str, int], S
             m = merged[key]
             m.token_ids += out.token_ids
             m.text += out.text
-            m.finish_reason, m.error = out.finish_reason, out.error
+            m.finish_reason, m.error, m.error_kind = out.finish_reason, out.error, out.error_kind
     raise AssertionError("the engine did not become idle")

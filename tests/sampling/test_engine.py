@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import xgrammar as xgr
 
+from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
 from sampling.guided import GuidedDecoder
 from tests.sampling.conftest import NewEngine
@@ -305,3 +308,32 @@ def test_lazy_mask_gives_exactly_the_masked_outputs(
         return {k[0]: o.token_ids for k, o in run_all(engine).items()}
 
     assert run(lazy=True) == run(lazy=False)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, SEEDED | {"seed": 1}], ids=["greedy", "seeded"])
+def test_a_long_llguidance_choice_list_is_followed(
+    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any], params: dict[str, Any]
+) -> None:
+    # 2,000 choices overflowed llguidance's parser row on the first token: "token 1099 was rejected"
+    choices = [f"c{i * 7919 % 100_003}-{i}" for i in range(2_000)]
+    grammar = grammar_compilers[1].compile(GrammarSpec("choice", choices)).grammar
+    engine = new_engine()
+    add(engine, "choice", prompt(hf_tokenizer, "pick one"), grammar, max_tokens=32, **params)
+    out = run_all(engine)[("choice", 0)]
+    assert out.error is None and out.finish_reason == "stop" and out.text in choices
+
+
+def test_a_matcher_that_gives_up_fails_its_constraint_not_the_engine(
+    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any]
+) -> None:
+    # a parser cap the grammar outgrows on its first token (the mask allowed it): the client's error
+    grammar = grammar_compilers[1].backend.compile_lark("start: " + " | ".join(f'"x{i}"' for i in range(20)))
+    grammar = dataclasses.replace(grammar, limits=llguidance.LLParserLimits(max_items_in_row=10))
+    engine = new_engine()
+    add(engine, "capped", prompt(hf_tokenizer, "x"), grammar, max_tokens=8, temperature=0.0)
+    add(engine, "free", prompt(hf_tokenizer, "x"), max_tokens=8, temperature=0.0)
+    outputs = run_all(engine)
+    capped = outputs[("capped", 0)]
+    assert capped.finish_reason == "error" and capped.error_kind == "constraint"
+    assert "cannot follow this constraint" in str(capped.error) and "max is 10" in str(capped.error)
+    assert outputs[("free", 0)].error is None

@@ -3,12 +3,14 @@ through, refuse bad or unsupported schemas with our errors, replay, and share xg
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 import xgrammar as xgr
@@ -293,3 +295,38 @@ def test_bitmask_layout_matches_xgrammar(
     xmatcher.fill_next_token_bitmask(bitmask, 1)
     assert torch.equal(bitmask[0], bitmask[1])  # the same words, bit for bit: digits and '-'
     assert {hf_tokenizer.decode([t]) for t in allowed(bitmask, 0)} == set("-0123456789")
+
+
+def first_token_accepted(backend: LLGuidanceBackend, grammar: LLGrammar, seed: int) -> bool:
+    """Whether the matcher takes a token its first mask allows (a seeded pick, never the stop token)."""
+    matcher = new_matcher(grammar)
+    bitmask = xgr.allocate_token_bitmask(1, backend.vocab_size)
+    backend.fill([matcher], bitmask, [0])
+    token = random.Random(seed).choice(sorted(allowed(bitmask) - {STOP}))
+    return matcher.accept_token(token) and matcher.error() is None
+
+
+def test_a_long_choice_list_takes_what_its_mask_allows(backend: LLGuidanceBackend, hf_tokenizer: Any) -> None:
+    # one parser alternative per choice overflowed llguidance's row of 2,000 items on the first token
+    rng = random.Random(0)
+    choices = [f"c{rng.randrange(10**9)}-{i}" for i in range(2_000)]
+    grammar = backend.compile_choice(choices)
+    assert first_token_accepted(backend, grammar, 0)
+    assert walk(backend, grammar, hf_tokenizer, 1) in choices
+    assert accepts(backend.compile_choice(["", "a"]), hf_tokenizer, "")
+
+
+def test_many_optional_properties_take_what_their_mask_allows(backend: LLGuidanceBackend) -> None:
+    # 600 optional properties made a parser row of 2,399 items (the cap was 2,000)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    grammar = backend.compile_json_schema(schema, strict=True)
+    assert all(first_token_accepted(backend, grammar, seed) for seed in range(2))
+
+
+def test_a_matcher_past_a_limit_says_why(backend: LLGuidanceBackend) -> None:
+    # a parser row over its cap: the mask allows the token, the matcher gives up for good, and says so
+    grammar = backend.compile_lark("start: " + " | ".join(f'"x{i}"' for i in range(20)))
+    matcher = new_matcher(dataclasses.replace(grammar, limits=llguidance.LLParserLimits(max_items_in_row=10)))
+    assert matcher.error() is None
+    assert not matcher.accept_token(grammar.tokenizer.tokenize_str("x")[0])
+    assert "max is 10" in str(matcher.error())
