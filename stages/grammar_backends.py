@@ -26,6 +26,7 @@ from sampling.llguidance_backend import LLGuidanceBackend
 from sampling.llguidance_matcher import INTERNAL_FAILURE, LLGrammar, clean_library_message
 from sampling.llguidance_schema import close_schema
 from stages.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
+from stages.empty_schemas import empty_schema_reason
 from stages.schema_support import check_schema_support
 
 __all__ = ["Compiled", "LLGuidanceCompiler", "XGrammarCompiler", "clean_message"]
@@ -69,6 +70,14 @@ def _refuse_empty(spec: GrammarSpec) -> GrammarError:
         f"the {spec.kind.replace('_', ' ')} admits no output (an empty language or a rule that never ends)",
         field=spec.field,
     )
+
+
+def _refuse_schema_without_values(spec: GrammarSpec) -> None:
+    """:raises GrammarError: the schema provably admits no value (``false``, ``{"not": {}}``, a bare
+    ``$ref`` cycle): a backend that ignores the keyword would write text for it."""
+    reason = empty_schema_reason(spec.value)
+    if reason is not None:
+        raise GrammarError(f"the schema admits no value: {reason}", field=spec.field)
 
 
 def _without_free_whitespace(node: Any) -> Any:
@@ -120,6 +129,7 @@ class XGrammarCompiler:
         if spec.kind == "json_schema":
             if value is False:
                 raise GrammarError("the schema is false: no value satisfies it", field=spec.field)
+            _refuse_schema_without_values(spec)
             if isinstance(value, dict):
                 # keywords xgrammar ignores (stages.schema_support) are held by the answer check
                 check_schema_support(value, strict=spec.strict, field=spec.field)
@@ -177,6 +187,7 @@ class LLGuidanceCompiler:
         if spec.kind == "json_schema":
             if value is False:
                 raise GrammarError("the schema is false: no value satisfies it", field=field)
+            _refuse_schema_without_values(spec)
             if isinstance(value, dict):
                 check_schema_support(value, strict=spec.strict, field=field)
             if not spec.strict or not isinstance(value, dict):

@@ -108,6 +108,27 @@ async def test_a_grammar_that_admits_nothing_is_a_400_at_compile(stage: GrammarS
     assert info.value.status == 400 and info.value.field == spec.field
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"not": {}},
+        {"type": "object", "not": {"description": "anything"}},
+        {"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]},
+        {"anyOf": [{"not": True}, False]},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    ],
+)
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+async def test_a_schema_that_admits_no_value_is_a_400(
+    grammar_compilers: tuple[Any, Any], schema: dict[str, Any], backend: str
+) -> None:
+    # {"not": {}} was compiled (xgrammar ignores "not") and generated text
+    stage = make_stage(grammar_compilers, backend=backend)
+    with pytest.raises(GrammarError, match="admits no value") as info:
+        await stage.compile(GrammarSpec("json_schema", schema, field="response_format.json_schema.schema"))
+    assert info.value.status == 400 and info.value.field == "response_format.json_schema.schema"
+
+
 def test_library_messages_are_cleaned() -> None:
     raw = "[22:11:03] /workspace/cpp/json_schema_converter.cc:712: Unsupported type: foo\nstack trace\n  at x"
     assert clean_message(raw) == "at x"
