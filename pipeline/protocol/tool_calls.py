@@ -1,8 +1,8 @@
 """The model's call array, read as it streams, into OpenAI's tool-call pieces.
 
 The text after the marker is ``[{"name": "f", "arguments": {...}}, ...]`` (the grammar enforces it,
-with ``name`` first as its schema lists it). ``CallReader.feed`` takes the text in any chunks and
-returns what became known: a call's start (its name) as soon as the name is complete, then its
+with ``name`` first as its schema lists it; arguments are an object, though any JSON value is read
+whole). ``CallReader.feed`` takes the text in any chunks and returns what became known: a call's start (its name) as soon as the name is complete, then its
 arguments' text as it arrives, so a stream sends the name first and the arguments in fragments,
 as OpenAI streams them. A whole answer read at once gives the same calls, so a streamed and a
 non-streamed response agree; arguments are the model's own JSON text, never re-encoded.
@@ -58,6 +58,7 @@ class CallReader:
     _depth: int = 0  # nesting inside the arguments' value
     _in_string: bool = False
     _escaped: bool = False
+    _is_scalar: bool = False  # the arguments' value is a number, true, false or null
 
     def feed(self, text: str) -> list[CallStart | tuple[int, str]]:
         """What ``text`` (the next chunk) made known: ``CallStart`` for a new call, ``(index,
@@ -77,11 +78,16 @@ class CallReader:
                     self._state = _State.BEFORE_ARGUMENTS
             elif state is _State.BEFORE_ARGUMENTS and char.isspace():
                 continue
+            elif self._ends_scalar(state, char):  # not part of the value: the call's ',' or '}'
+                self._emit(events, fragment)
+                fragment = []
+                self._state, self._is_scalar = _State.OUTSIDE, False
             else:
-                self._state = _State.ARGUMENTS
+                if state is _State.BEFORE_ARGUMENTS:
+                    self._state, self._is_scalar = _State.ARGUMENTS, char not in '{["'
                 fragment.append(char)
                 self._scan(char)
-                if self._depth == 0 and not self._in_string:  # the arguments' object closed
+                if self._depth == 0 and not self._in_string and not self._is_scalar:  # the value closed
                     self._emit(events, fragment)
                     fragment = []
                     self._state = _State.OUTSIDE
@@ -93,6 +99,11 @@ class CallReader:
             text = "".join(fragment)
             self.calls[-1].arguments += text
             events.append((len(self.calls) - 1, text))
+
+    def _ends_scalar(self, state: _State, char: str) -> bool:
+        """Whether ``char`` ends a scalar value (the grammar asks for an object, but the reader
+        takes any JSON value: a number, ``true``, ``false`` or ``null`` ends where they cannot go on)."""
+        return state is _State.ARGUMENTS and self._is_scalar and (char in ",}]" or char.isspace())
 
     def _scan(self, char: str) -> None:
         """Track the arguments' nesting, strings and escapes."""

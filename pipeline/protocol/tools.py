@@ -30,6 +30,7 @@ from pipeline.errors import InvalidRequest
 from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolChoice
 from pipeline.protocol.wire import check_depth
 from pipeline.types import GrammarSpec
+from stages.empty_schemas import empty_schema_reason
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
 
@@ -94,6 +95,10 @@ def _calls_schema(functions: list[tuple[str, dict[str, Any] | None]], *, single:
     calls = []
     for name, parameters in functions:
         arguments = parameters if parameters is not None else _NO_PARAMETERS
+        if "type" not in arguments:
+            # OpenAI's arguments are an object: a schema that leaves the type open ({}) let the
+            # model write a number there
+            arguments = {**arguments, "type": "object"}
         if _has_local_ref(arguments):
             # an $id would make its refs resolve against another base than the one they are moved to
             moved = {k: v for k, v in arguments.items() if k not in ("$id", "$schema")}
@@ -132,6 +137,11 @@ def plan_tools(body: ChatCompletionRequest, has_other_constraint: bool) -> ToolP
             raise _fail("a function's parameters must be an object schema", f"tools[{i}].function.parameters")
         if parameters is not None:  # before the recursive walks below
             check_depth(parameters, f"tools[{i}].function.parameters")
+        reason = empty_schema_reason(parameters) if parameters is not None else None
+        if reason is not None:
+            # checked here, on the function's own schema: inside the call array the grammar's
+            # first mask allows "[", and the dead end came mid-answer as a 500
+            raise _fail(f"the parameters admit no value: {reason}", f"tools[{i}].function.parameters")
     if has_other_constraint:
         raise _fail("tools cannot be combined with another structured-output constraint", "tool_choice")
     functions = [(tool.function.name, tool.function.parameters) for tool in body.tools]

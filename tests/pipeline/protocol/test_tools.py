@@ -126,3 +126,49 @@ def test_parameters_with_local_refs_keep_their_meaning(grammar_compilers: tuple[
             jsonschema.validate([{"name": "f", "arguments": bad}], schema)
     for compiler in grammar_compilers:  # both backends resolve the moved refs
         assert compiler.compile(plan.grammar).grammar is not None
+
+
+def tool(parameters: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"$ref": "#"}, {"not": {}}, {"type": "object", "properties": {"a": {"not": {}}}, "required": ["a"]}],
+    ids=["ref cycle", "not anything", "required property admits nothing"],
+)
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_parameters_that_admit_nothing_are_refused_by_field(parameters: Any, choice: str) -> None:
+    # {"$ref": "#"} with tool_choice required was a 500 mid-answer ("token 0 was rejected")
+    with pytest.raises(InvalidRequest, match="admit no value") as caught:
+        plan_tools(body(tools=[WEATHER, tool(parameters)], tool_choice=choice), False)
+    assert caught.value.field == "tools[1].function.parameters"
+
+
+def test_open_parameters_still_take_an_object() -> None:
+    # parameters {} let the model write "arguments": -24587
+    plan = plan_tools(body(tools=[tool({})], tool_choice="required"), False)
+    assert plan is not None
+    jsonschema.validate([{"name": "f", "arguments": {"x": [1]}}], plan.grammar.value)
+    for value in (-24587, True, "x", [1], None):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "f", "arguments": value}], plan.grammar.value)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 100])
+def test_the_reader_reads_any_json_value_as_arguments(size: int) -> None:
+    # a number was cut to its first character: "arguments": -24587 read as "-"
+    answer = (
+        '[{"name": "a", "arguments": -24587}, {"name": "b", "arguments": true }, '
+        '{"name": "c", "arguments": "s}"}, {"name": "d", "arguments": null}, {"name": "e", "arguments": 1.5e3}]'
+    )
+    reader = CallReader()
+    for i in range(0, len(answer), size):
+        reader.feed(answer[i : i + size])
+    assert [(c.name, c.arguments) for c in reader.calls] == [
+        ("a", "-24587"),
+        ("b", "true"),
+        ("c", '"s}"'),
+        ("d", "null"),
+        ("e", "1.5e3"),
+    ]
