@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -34,6 +34,7 @@ from sampling.llguidance_matcher import (
     new_matcher,
 )
 from sampling.llguidance_schema import close_schema
+from sampling.llguidance_tags import NotTranslatable, structural_tag_to_lark
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -189,6 +190,33 @@ class LLGuidanceBackend:
         except ValueError as exc:
             raise GrammarError(f"could not compile the grammar: {clean_message(str(exc))}", field=field) from None
         return self._build("grammar", lark, field=field)
+
+    def compile_structural_tag(self, tag: dict[str, Any], *, field: str | None = None) -> LLGrammar:
+        """xgrammar 0.2's structural tag, where Lark says it exactly (``sampling.llguidance_tags``).
+
+        :raises UnsupportedSchemaError: a format with no translation (xgrammar may compile it).
+        :raises GrammarError: the translation does not compile.
+        """
+        try:
+            lark = structural_tag_to_lark(tag)
+        except NotTranslatable as exc:
+            raise UnsupportedSchemaError(f"llguidance does not compile {exc} here", field=field) from None
+        return self._build("structural_tag", llguidance.LLMatcher.grammar_from_lark(lark), field=field)
+
+    def acceptor(self, grammar: LLGrammar) -> Callable[[str], bool]:
+        """Whether a whole text is a complete sentence of ``grammar`` (a fresh matcher per call, fed
+        the text's tokens: llguidance takes any tokenization of the same bytes)."""
+
+        def accepts(text: str) -> bool:
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError:  # a raw surrogate: not text a client can be sent
+                return False
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar.grammar, log_level=0, limits=self._limits)
+            tokens = self.tokenizer.tokenize_bytes(data)
+            return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
+        return accepts
 
     def compile_choice(self, choices: list[str], *, field: str | None = None) -> LLGrammar:
         """Exactly one of ``choices``.

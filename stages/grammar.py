@@ -7,6 +7,9 @@ bounded, and unable to starve the server.
   milliseconds, so cheap specs and refusals answer at once while a big schema compiles. The late
   xgrammar compile still finishes (a thread cannot be interrupted), holding its slot, and its result
   replaces the llguidance one in the cache.
+- An EBNF or Lark grammar or a structural tag is parsed first, without a compile slot: a malformed
+  one is a 400 at once, never a wait behind busy slots; what llguidance cannot compile of these
+  (xgrammar's look-ahead, structural-tag formats Lark cannot say) waits for xgrammar.
 - Compiles run in worker threads (both libraries release the GIL), each backend under its own limiter.
 - The cache is keyed by the canonical spec, bounded by bytes (``cache_bytes``: xgrammar reports a
   grammar's size, llguidance's is estimated), least recently used first out; one entry may hold at
@@ -36,7 +39,7 @@ from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import INTERNAL_FAILURE
 from stages.answer_check import AnswerCheck
 from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
-from stages.grammar_dispatch import LLGUIDANCE_KINDS, choose_backend
+from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
 from stages.grammar_limits import GrammarLimits, check_limits, check_size
 from stages.native_calls import release_free_memory, run_on_large_stack
 
@@ -92,6 +95,7 @@ class GrammarStage:
         if backend not in ("auto", "xgrammar", "llguidance"):
             raise ValueError(f"backend must be auto, xgrammar or llguidance, got {backend!r}")
         self.backend = backend  # "auto": per request by the dispatch table; else forced (benchmarks, operators)
+        self._parser = xgrammar
         self.compilers: dict[str, XGrammarCompiler | LLGuidanceCompiler] = {
             "xgrammar": xgrammar,
             "llguidance": llguidance,
@@ -187,6 +191,10 @@ class GrammarStage:
             if time.perf_counter() - started > _TRIM_AFTER_S or len(spec.key) > _TRIM_AFTER_CHARS:
                 release_free_memory()
 
+    def _parse_sync(self, spec: GrammarSpec) -> None:
+        check_limits(spec, self.limits)  # a compile's bounds and stack: the parse reads the same text
+        run_on_large_stack(lambda: self._parser.parse(spec))
+
     async def _job(self, backend: str, reason: str, spec: GrammarSpec, flight: Outcome[CompiledConstraint]) -> None:
         started = time.perf_counter()
         limiter = self.limiter if backend == "xgrammar" else self.fast_limiter
@@ -259,9 +267,21 @@ class GrammarStage:
             return fallback if fallback.error is None else flight
         if spec.kind not in LLGUIDANCE_KINDS:
             return await self._await("xgrammar", dispatch.reason, spec)
+        is_dialect = spec.kind in PARSED_KINDS  # llguidance compiles only part of xgrammar's dialects
+        if is_dialect:
+            refusal = await self._parse(spec)
+            if refusal is not None and is_lark(spec.value):  # Lark xgrammar cannot read: llguidance's own
+                return await self._await("llguidance", "Lark grammar", spec)
+            if refusal is not None:
+                failed: Outcome[CompiledConstraint] = Outcome()
+                failed.fail(refusal)
+                return failed
         is_busy = self.limiter.borrowed_tokens >= self.limiter.total_tokens
         if is_busy and ("xgrammar", spec.key) not in self._flights:
-            return await self._await("llguidance", "xgrammar compile slots busy", spec)
+            fallback = await self._await("llguidance", "xgrammar compile slots busy", spec)
+            if fallback.error is None or not is_dialect:
+                return fallback
+            return await self._await("xgrammar", "llguidance could not compile it", spec)
         flight = await self._await("xgrammar", dispatch.reason, spec, budget_s=self.xgrammar_budget_s)
         if flight.is_done and flight.error is None:
             return flight
@@ -269,7 +289,21 @@ class GrammarStage:
         fallback = await self._await("llguidance", reason, spec)
         if fallback.error is not None and flight.is_done:
             return flight  # both failed: the default backend's error is the one reported
+        if fallback.error is not None and is_dialect:
+            await flight.wait()  # what llguidance cannot translate only xgrammar compiles
+            return flight
         return fallback
+
+    async def _parse(self, spec: GrammarSpec) -> GrammarError | None:
+        """xgrammar's parse of a grammar or structural tag (no compile slot: milliseconds); the
+        error it is refused with, cached as a compile's would be, or None."""
+        try:
+            await anyio.to_thread.run_sync(self._parse_sync, spec, limiter=self.fast_limiter)
+        except GrammarError as exc:
+            self.stats.errors += 1
+            self._store(spec.key, exc)
+            return exc
+        return None
 
     async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> CompiledConstraint:
         """The compiled constraint of ``spec``.

@@ -2,8 +2,11 @@
 plus the answer check of the same spec; and our own error messages for both.
 
 - xgrammar compiles every kind; JSON without free whitespace (``any_whitespace=False``).
-- llguidance compiles JSON schemas, regexes and choices (``stages.grammar_dispatch`` decides which
-  backend a spec goes to); EBNF grammars and structural tags are xgrammar's dialects.
+- llguidance compiles JSON schemas, regexes, choices, EBNF grammars (converted to Lark), Lark
+  grammars (vLLM's ``guided_grammar`` takes Lark) and the structural tags Lark says exactly
+  (``sampling.llguidance_tags``); ``stages.grammar_dispatch`` decides which backend a spec goes to.
+- ``XGrammarCompiler.parse`` checks an EBNF grammar or a structural tag without the tokenizer
+  (milliseconds, no compile slot), so a malformed one is refused at once.
 
 Both produce the same 32-bit bitmask layout, so the engine masks logits the same way for either.
 A compile also proves the grammar can emit something: a constraint whose first mask allows no token
@@ -27,6 +30,7 @@ from sampling.llguidance_matcher import INTERNAL_FAILURE, LLGrammar, clean_libra
 from sampling.llguidance_schema import close_schema
 from stages.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
 from stages.empty_schemas import empty_schema_reason
+from stages.grammar_dispatch import is_lark
 from stages.schema_support import check_schema_support
 
 __all__ = ["Compiled", "LLGuidanceCompiler", "XGrammarCompiler", "clean_message"]
@@ -40,6 +44,8 @@ _MAX_MESSAGE = 500
 # 100 bytes per byte of grammar, where the old estimate (2) let the cache hold 10-30x its bound.
 _LLGUIDANCE_BASE_BYTES = 256 * 1024
 _LLGUIDANCE_BYTES_PER_GRAMMAR_BYTE = 100
+# kinds whose answer check is the compiled grammar's own acceptor (no independent checker exists)
+_ACCEPTOR_KINDS = frozenset({"grammar", "structural_tag"})
 
 
 def clean_message(message: str) -> str:
@@ -124,6 +130,23 @@ class XGrammarCompiler:
         check = build_answer_check(spec, grammar_acceptor=xgrammar_acceptor(grammar))
         return Compiled(grammar, check, int(grammar.memory_size_bytes))
 
+    def parse(self, spec: GrammarSpec) -> None:
+        """Parse an EBNF or Lark grammar or a structural tag without the tokenizer (milliseconds; the
+        compile takes seconds and a compile slot), so that a malformed one is refused at once.
+
+        :raises GrammarError: naming ``spec.field``: the text does not parse.
+        """
+        try:
+            if spec.kind == "grammar":
+                if is_lark(spec.value):
+                    xgr.Grammar.from_lark(spec.value)
+                else:
+                    xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
+            elif spec.kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(json.dumps(spec.value))
+        except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError
+            raise _compile_error(spec, exc) from None
+
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         value = spec.value
         if spec.kind == "json_schema":
@@ -144,6 +167,8 @@ class XGrammarCompiler:
         if spec.kind == "regex":
             return self.compiler.compile_regex(value)
         if spec.kind == "grammar":
+            if is_lark(value):
+                return self.compiler.compile_grammar(xgr.Grammar.from_lark(value))
             return self.compiler.compile_grammar(value, root_rule_name="root")
         if spec.kind == "choice":
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
@@ -176,10 +201,10 @@ class LLGuidanceCompiler:
             ) from None
         if not any(grammar.prototype.compute_bitmask()):
             raise _refuse_empty(spec)
+        acceptor = self.backend.acceptor(grammar) if spec.kind in _ACCEPTOR_KINDS else None
+        check = build_answer_check(spec, grammar_acceptor=acceptor)
         return Compiled(
-            grammar,
-            build_answer_check(spec),
-            _LLGUIDANCE_BASE_BYTES + _LLGUIDANCE_BYTES_PER_GRAMMAR_BYTE * len(grammar.grammar),
+            grammar, check, _LLGUIDANCE_BASE_BYTES + _LLGUIDANCE_BYTES_PER_GRAMMAR_BYTE * len(grammar.grammar)
         )
 
     def _compile(self, spec: GrammarSpec) -> LLGrammar:
@@ -211,4 +236,8 @@ class LLGuidanceCompiler:
             return backend.compile_regex(value, field=field)
         if spec.kind == "choice":
             return backend.compile_choice(value, field=field)
+        if spec.kind == "grammar":
+            return backend.compile_ebnf(value, field=field)  # EBNF converted; Lark as it is
+        if spec.kind == "structural_tag":
+            return backend.compile_structural_tag(value, field=field)
         raise GrammarError(f"llguidance does not compile a {spec.kind} here", field=field)

@@ -17,10 +17,22 @@ from typing import Any
 
 from pipeline.types import GrammarSpec
 
-__all__ = ["LLGUIDANCE_KINDS", "ROWS", "Dispatch", "DispatchRow", "choose_backend", "schema_nodes"]
+__all__ = [
+    "LLGUIDANCE_KINDS",
+    "PARSED_KINDS",
+    "ROWS",
+    "Dispatch",
+    "DispatchRow",
+    "choose_backend",
+    "is_lark",
+    "schema_nodes",
+]
 
-# Constraint kinds llguidance can compile here (EBNF and structural tags are xgrammar's dialects).
-LLGUIDANCE_KINDS = frozenset({"json_schema", "json_object", "regex", "choice"})
+# Constraint kinds llguidance can compile here (structural tags: those Lark says exactly).
+LLGUIDANCE_KINDS = frozenset({"json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"})
+# Kinds in xgrammar's dialects: parsed before they wait for a compile slot (a malformed one is a 400
+# at once), and an llguidance refusal of one waits for xgrammar's compile instead.
+PARSED_KINDS = frozenset({"grammar", "structural_tag"})
 # A schema with more nodes than this goes to llguidance: xgrammar's compile of a 5,000-property
 # schema took minutes and 0.6-0.9 GB; llguidance builds its lexer lazily, in milliseconds.
 MAX_XGRAMMAR_NODES = 2_000
@@ -121,6 +133,12 @@ def _subschemas(node: Any) -> Iterator[dict[str, Any]]:
 def schema_nodes(schema: Any) -> int:
     """The number of objects and arrays in ``schema``: the estimate of its compile cost."""
     return sum(1 for _ in _subschemas(schema))
+
+
+def is_lark(grammar: Any) -> bool:
+    """Whether a grammar's text is Lark (vLLM's ``guided_grammar`` takes it), not EBNF: EBNF rules are
+    written ``name ::= ...`` (vLLM tells them apart the same way)."""
+    return isinstance(grammar, str) and "::=" not in grammar
 
 
 def choose_backend(spec: GrammarSpec) -> Dispatch:

@@ -27,6 +27,9 @@ class GatedCompiler:
         self.name = real.name
         self.calls: Counter[str] = Counter()
 
+    def parse(self, spec: GrammarSpec) -> None:
+        self.real.parse(spec)
+
     def compile(self, spec: GrammarSpec) -> Compiled:
         self.calls[spec.key] += 1
         if self.gate is not None:
@@ -257,11 +260,11 @@ async def test_busy_xgrammar_slots_do_not_starve_cheap_specs(grammar_compilers: 
 
 
 async def test_deadline_fails_the_request_and_the_compile_is_kept(grammar_compilers: tuple[Any, Any]) -> None:
-    """A grammar only xgrammar compiles (EBNF) has no fallback: past the deadline the request gets a 504."""
+    """A grammar only xgrammar compiles (look-ahead) has no fallback: past the deadline the request gets a 504."""
     gate = threading.Event()
     xgrammar = GatedCompiler(grammar_compilers[0], gate)
     stage = make_stage((xgrammar, grammar_compilers[1]), timeout_s=0.05)
-    spec = GrammarSpec("grammar", 'root ::= "x" | "y"', field="grammar")
+    spec = GrammarSpec("grammar", LOOK_AHEAD, field="grammar")
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
@@ -273,7 +276,114 @@ async def test_deadline_fails_the_request_and_the_compile_is_kept(grammar_compil
             await stage.wait_idle()
     assert stage.limiter.borrowed_tokens == 0
     assert stage.lookup(spec) is not None  # finished in the background and cached
-    assert accepts((await stage.compile(spec)).grammar, "y")
+    assert accepts((await stage.compile(spec)).grammar, "xy")
+
+
+LOOK_AHEAD = 'root ::= a "y"\na ::= "x" (= "y")'  # xgrammar's look-ahead: no llguidance translation
+TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<f"],
+        "tags": [
+            {
+                "type": "tag",
+                "begin": "<f>",
+                "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+                "end": "</f>",
+            }
+        ],
+        "at_least_one": False,
+        "stop_after_first": False,
+    },
+}
+
+
+async def hold_both_xgrammar_slots(stage: GrammarStage, tg: Any) -> None:
+    for i in (1, 2):
+        tg.start_soon(stage.compile, GrammarSpec("json_schema", {"type": "object", "properties": {f"q{i}": {}}}))
+    await anyio.wait_all_tasks_blocked()
+    assert stage.limiter.borrowed_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec("grammar", "root ::= ", field="grammar"),
+        GrammarSpec("grammar", 'root ::= "a" | missing', field="grammar"),
+        GrammarSpec(
+            "structural_tag", {"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= "}}
+        ),
+    ],
+)
+async def test_a_malformed_grammar_is_refused_at_once_while_xgrammar_is_busy(
+    grammar_compilers: tuple[Any, Any], spec: GrammarSpec
+) -> None:
+    # it waited for a compile slot: a 504 after the deadline instead of a 400
+    gate = threading.Event()
+    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=2)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            await hold_both_xgrammar_slots(stage, tg)
+            with pytest.raises(GrammarError) as info:
+                await stage.compile(spec)
+            assert info.value.status == 400 and info.value.field == spec.field
+            gate.set()
+
+
+@pytest.mark.parametrize(
+    ("spec", "good", "bad"),
+    [
+        (GrammarSpec("grammar", 'root ::= "yes" | "no" [0-9]*', field="grammar"), "no42", "maybe"),
+        (GrammarSpec("grammar", 'start: "yes" | "no" DIGITS?\nDIGITS: /[0-9]+/', field="grammar"), "no42", "no4x"),
+        (GrammarSpec("structural_tag", TAG), "so <f>12</f> and <f>3</f> done", "so <f>x</f>"),
+    ],
+    ids=["ebnf", "lark", "structural tag"],
+)
+async def test_grammars_and_tags_are_served_by_llguidance_while_xgrammar_is_busy(
+    grammar_compilers: tuple[Any, Any], hf_tokenizer: Any, spec: GrammarSpec, good: str, bad: str
+) -> None:
+    gate = threading.Event()
+    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=5)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            await hold_both_xgrammar_slots(stage, tg)
+            served = await stage.compile(spec)
+            assert served.backend == "llguidance" and served.reason == "xgrammar compile slots busy"
+            gate.set()
+    assert accepts(served.grammar, good, hf_tokenizer) and served.check.check(good) is None
+    assert not accepts(served.grammar, bad, hf_tokenizer) and served.check.check(bad) is not None
+
+
+async def test_what_llguidance_cannot_compile_waits_for_xgrammar(grammar_compilers: tuple[Any, Any]) -> None:
+    gate = threading.Event()
+    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=10)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            await hold_both_xgrammar_slots(stage, tg)
+            done = anyio.Event()
+            result: list[CompiledConstraint] = []
+
+            async def compile_look_ahead() -> None:
+                result.append(await stage.compile(GrammarSpec("grammar", LOOK_AHEAD, field="grammar")))
+                done.set()
+
+            tg.start_soon(compile_look_ahead)
+            await anyio.wait_all_tasks_blocked()
+            assert not done.is_set()
+            gate.set()
+            await done.wait()
+    assert result[0].backend == "xgrammar" and result[0].check.check("xy") is None
+
+
+async def test_a_lark_grammar_is_honoured(stage: GrammarStage, hf_tokenizer: Any) -> None:
+    # vLLM's guided_grammar takes Lark; it was refused ("Unexpected character: ':'")
+    constraint = await stage.compile(GrammarSpec("grammar", 'start: "(" NUM ")"\nNUM: /[0-9]{1,3}/', field="grammar"))
+    assert accepts(constraint.grammar, "(12)", hf_tokenizer) and constraint.check.check("(12)") is None
+    assert constraint.check.check("(1234)") is not None
 
 
 @pytest.mark.slow
