@@ -172,7 +172,8 @@ async def test_grammar_failure_and_deadline(pipe: Pipeline, monkeypatch: pytest.
     monkeypatch.setitem(grammar.compilers, "xgrammar", SlowForOne(grammar.compilers["xgrammar"], gate))
     monkeypatch.setattr(grammar, "timeout_s", 0.2)
     text = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-    slow = {**text, "grammar": 'root ::= "slow" [a-z]*'}  # EBNF: xgrammar only, so no fallback
+    # look-ahead: only xgrammar compiles it, so no fallback
+    slow = {**text, "grammar": 'root ::= s [a-z]*\ns ::= "slow" (= [a-z])'}
     bodies = [slow, {**text, "regex": "(?<=a)b"}, {**text, "regex": "[ab]+"}, text]
     with anyio.fail_after(30):
         results = await _outcomes(pipe, bodies)
