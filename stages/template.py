@@ -47,8 +47,15 @@ class TemplateStage:
     name = "template"
 
     def __init__(
-        self, tokenizer: Any, image_ids: ImageTokenIds, *, max_prompt_tokens: int, threads: int, inline: bool = False
+        self,
+        tokenizer: Any,
+        image_ids: ImageTokenIds | None,
+        *,
+        max_prompt_tokens: int,
+        threads: int,
+        inline: bool = False,
     ) -> None:
+        """``image_ids``: the image token layout, None for a model that takes no images."""
         self.tokenizer = tokenizer
         self.image_ids = image_ids
         self.max_prompt_tokens = max_prompt_tokens
@@ -87,12 +94,17 @@ class TemplateStage:
                 ids.insert(0, bos)
         else:
             try:
+                # the prompt ends where the assistant's answer starts (its header, for templates that have one)
                 text = self.tokenizer.apply_chat_template(
-                    _to_hf_messages(messages), tools=list(tools) or None, tokenize=False
+                    _to_hf_messages(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=True
                 )
             except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
                 raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.image_ids is None:
+            if images:
+                raise InvalidRequest("this model takes no images", field=where)
+            return self._check_length(ids, where)
         try:
             ids = expand_image_tokens(ids, images, self.image_ids)
         except ValueError as exc:
@@ -100,6 +112,9 @@ class TemplateStage:
                 f"image placeholders do not match the images ({exc}); text may not contain '[IMG]'",
                 field=where,
             ) from None
+        return self._check_length(ids, where)
+
+    def _check_length(self, ids: list[int], where: str) -> list[int]:
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"the prompt is {len(ids)} tokens; at most {self.max_prompt_tokens} are allowed", field=where

@@ -48,11 +48,31 @@ class Checkpoint:
 
     @cached_property
     def image_processor(self) -> Any | None:
-        if not (self.path / "preprocessor_config.json").exists():
+        """The checkpoint's image processor, None for a model without one."""
+        if not self._has_image_processor():
             return None
         from transformers import AutoImageProcessor
 
         return AutoImageProcessor.from_pretrained(self.path)
+
+    def _has_image_processor(self) -> bool:
+        if (self.path / "preprocessor_config.json").exists():
+            return True
+        # transformers 5's processor.save_pretrained writes the image processor's settings inside
+        # processor_config.json instead
+        combined = self.path / "processor_config.json"
+        return combined.exists() and "image_processor" in json.loads(combined.read_text())
+
+    @cached_property
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end an answer: the tokenizer's eos, then generation_config.json's
+        ``eos_token_id`` (an id or a list: chat models end a turn with their own token)."""
+        ids = [int(self.tokenizer.eos_token_id)] if self.tokenizer.eos_token_id is not None else []
+        generation = self.path / "generation_config.json"
+        if generation.exists():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            ids += [int(t) for t in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+        return list(dict.fromkeys(ids))
 
     @cached_property
     def image_token_id(self) -> int | None:
@@ -64,7 +84,9 @@ class Checkpoint:
         """xgrammar's view of the tokenizer, sized to the model's vocabulary (logits width)."""
         import xgrammar as xgr
 
-        return xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.text_config.vocab_size)
+        return xgr.TokenizerInfo.from_huggingface(
+            self.tokenizer, vocab_size=self.text_config.vocab_size, stop_token_ids=self.stop_token_ids or None
+        )
 
     @cached_property
     def model_name(self) -> str:

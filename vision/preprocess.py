@@ -43,11 +43,17 @@ class ImageTokenIds:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, image_token_id: int) -> ImageTokenIds:
-        return cls(
-            image=image_token_id,
-            row_break=int(tokenizer.convert_tokens_to_ids("[IMG_BREAK]")),
-            image_end=int(tokenizer.convert_tokens_to_ids("[IMG_END]")),
-        )
+        """The ids of ``tokenizer``'s Pixtral image tokens.
+
+        :raises ValueError: naming the token the tokenizer lacks.
+        """
+        found = {}
+        for token in ("[IMG_BREAK]", "[IMG_END]"):
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"the tokenizer has no {token} token, which Pixtral's image layout needs")
+            found[token] = int(token_id)
+        return cls(image=image_token_id, row_break=found["[IMG_BREAK]"], image_end=found["[IMG_END]"])
 
 
 def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:

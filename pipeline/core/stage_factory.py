@@ -126,10 +126,10 @@ def build_decode_stage(
 
 
 def build_template_stage(cfg: PipelineConfig, tokenizer: Any, image_token_id: int) -> TemplateStage:
-    """The template stage: messages to prompt token ids."""
+    """The template stage: messages to prompt token ids (``image_token_id`` < 0: a model without images)."""
     return TemplateStage(
         tokenizer,
-        ImageTokenIds.from_tokenizer(tokenizer, image_token_id),
+        ImageTokenIds.from_tokenizer(tokenizer, image_token_id) if image_token_id >= 0 else None,
         max_prompt_tokens=cfg.max_prompt_tokens,
         threads=cfg.template_threads,
         inline=cfg.inline_preparation,

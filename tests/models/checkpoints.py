@@ -1,0 +1,247 @@
+"""Tiny random-weight checkpoints of the model families, built offline once per test session.
+
+Each is a normal Hugging Face folder (config, safetensors, generation config, tokenizer with the
+family's special tokens and chat template), written with transformers' own classes under a fixed
+seed, so the code under test loads it as it loads a user's checkpoint. Hidden size 64, 2 layers,
+a byte-level BPE vocabulary of a few hundred tokens: the suite stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "Family", "build_family", "build_tokenizer", "family_dirs"]
+
+SEED = 20
+VOCAB_SIZE = 384  # the model's embedding rows; the tokenizer uses fewer (BPE trained below)
+# weights larger than transformers' 0.02 default, so a missing feature moves the greedy tokens
+INIT_RANGE = 0.2
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you.",
+    '{"name": "value", "count": 42, "items": [1, 2, 3], "ok": true, "none": null}',
+    "user assistant system tool function arguments name content role",
+    "What is in this image? Describe the picture in one sentence, please.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+]
+
+
+def build_tokenizer(
+    specials: list[str],
+    *,
+    chat_template: str,
+    bos: str | None,
+    eos: str,
+    unk: str | None = None,
+    pad: str | None = None,
+) -> Any:
+    """A byte-level BPE tokenizer (deterministic: trained on a fixed corpus) with ``specials`` first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 16,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, chat_template=chat_template
+    )
+
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{% set text = m['content'] %}{% else %}"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST]' + text + '[/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ text + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family's tiny checkpoint."""
+
+    name: str
+    make_config: Callable[[list[int]], Any]  # special token ids → the transformers config
+    model_class: str  # the transformers class that writes (and serves as reference for) it
+    specials: list[str]
+    chat_template: str
+    bos: str | None
+    eos: str  # the tokenizer's own eos token
+    generation_eos: list[str]  # generation_config.json's eos_token_id (the turn ends)
+    unk: str | None = None
+
+
+def _text_dims() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "initializer_range": INIT_RANGE,
+        "tie_word_embeddings": False,
+    }
+
+
+def _llama_config(rope: dict[str, Any]) -> Callable[[list[int]], Any]:
+    def make(ids: list[int]) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**_text_dims(), rope_parameters=rope, bos_token_id=ids[0], eos_token_id=ids[1])
+
+    return make
+
+
+def _qwen3_config(ids: list[int]) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        **_text_dims(),
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        bos_token_id=None,
+        eos_token_id=ids[2],
+    )
+
+
+def _mistral_config(ids: list[int]) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        **_text_dims(),
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        sliding_window=None,
+        bos_token_id=ids[1],
+        eos_token_id=ids[2],
+    )
+
+
+_LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+]
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # short, so positions in a test span the scaled band
+}
+
+FAMILIES: dict[str, Family] = {
+    # Llama 3.0: default RoPE; the tokenizer has no unk token and ends text with <|end_of_text|>
+    "llama3.0": Family(
+        "llama3.0",
+        _llama_config({"rope_type": "default", "rope_theta": 500_000.0}),
+        "LlamaForCausalLM",
+        _LLAMA3_SPECIALS,
+        LLAMA3_TEMPLATE,
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+    ),
+    "llama3.1": Family(
+        "llama3.1",
+        _llama_config(_LLAMA3_ROPE),
+        "LlamaForCausalLM",
+        _LLAMA3_SPECIALS,
+        LLAMA3_TEMPLATE,
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+    ),
+    "qwen3": Family(
+        "qwen3",
+        _qwen3_config,
+        "Qwen3ForCausalLM",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
+        CHATML_TEMPLATE,
+        None,
+        "<|im_end|>",
+        ["<|im_end|>", "<|endoftext|>"],
+    ),
+    "mistral": Family(
+        "mistral",
+        _mistral_config,
+        "MistralForCausalLM",
+        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"],
+        MISTRAL_TEMPLATE,
+        "<s>",
+        "</s>",
+        ["</s>"],
+        unk="<unk>",
+    ),
+}
+
+
+def build_family(family: Family, folder: Path) -> Path:
+    """Write ``family``'s tiny checkpoint into ``folder`` (seeded: the same bytes every time)."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer(
+        family.specials, chat_template=family.chat_template, bos=family.bos, eos=family.eos, unk=family.unk
+    )
+    ids = [tokenizer.convert_tokens_to_ids(s) for s in family.specials]
+    config = family.make_config(ids)
+    torch.manual_seed(SEED)
+    model = getattr(transformers, family.model_class)(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in family.generation_eos],
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def family_dirs(tmp_path_factory: Any) -> Callable[[str], Path]:
+    """``get(name)``: the folder of family ``name``'s checkpoint, built on first use (the session
+    fixture ``family_dir`` wraps this)."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_family(FAMILIES[name], tmp_path_factory.mktemp(name.replace(".", "_")))
+        return built[name]
+
+    return get
