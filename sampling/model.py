@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sampling.paged_attention import AttentionBatch, attend
+
 __all__ = ["AttentionBatch", "LMConfig", "MistralLM"]
 
 
@@ -49,19 +51,6 @@ class LMConfig:
             rope_theta=float(rope.get("rope_theta", getattr(text_config, "rope_theta", 10_000.0))),
             tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
         )
-
-
-@dataclass(slots=True)
-class AttentionBatch:
-    """Where a step's tokens go in the cache and which keys each query sees.
-
-    Queries are grouped ``[B, Tq]`` (decode: Tq = 1; prefill chunk: B = 1).
-    """
-
-    positions: torch.Tensor  # [B, Tq] absolute position of each query token
-    slot_mapping: torch.Tensor  # [B * Tq] flat cache slot each new token's K/V is written to
-    key_slots: torch.Tensor  # [B, L] flat cache slots of every key a row may see (padded)
-    key_valid: torch.Tensor  # [B, L] bool: slot holds a key of this sequence (not padding)
 
 
 class _RMSNorm(nn.Module):
@@ -106,15 +95,8 @@ class _Attention(nn.Module):
         v = self.v_proj(x).view(b, tq, cfg.num_kv_heads, cfg.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k_cache.index_copy_(0, batch.slot_mapping, k.reshape(b * tq, cfg.num_kv_heads, cfg.head_dim))
-        v_cache.index_copy_(0, batch.slot_mapping, v.reshape(b * tq, cfg.num_kv_heads, cfg.head_dim))
-        # keys, values: [B, kv_heads, L, head_dim] gathered through the block tables
-        keys = k_cache[batch.key_slots].transpose(1, 2)
-        values = v_cache[batch.key_slots].transpose(1, 2)
-        # mask: [B, 1, Tq, L]: a key is visible if it belongs to the row and is not in its future
-        key_pos = torch.arange(batch.key_slots.shape[1], device=x.device)
-        mask = (key_pos[None, None, :] <= batch.positions[:, :, None]) & batch.key_valid[:, None, :]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True)
+        kv_shape = (b * tq, cfg.num_kv_heads, cfg.head_dim)
+        out = attend(q.transpose(1, 2), k.reshape(kv_shape), v.reshape(kv_shape), k_cache, v_cache, batch)
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, cfg.num_heads * cfg.head_dim))
 
 

@@ -1,0 +1,123 @@
+"""The model adapter: the checkpoint's own transformers class, run over our paged KV cache.
+
+The model is loaded with ``AutoModelForImageTextToText`` (a checkpoint with a vision config) or
+``AutoModelForCausalLM``, and its language model's attention is switched to the paged attention
+registered with transformers' ``AttentionInterface`` (sampling/paged_attention.py). A step runs as
+one flattened row of tokens with our positions; every RoPE variant, qk-norm, bias, soft-capping and
+sliding window comes from the model's own code. The vision tower keeps transformers' attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sampling.paged_attention import AttentionBatch, PagedStep, register_paged_attention
+from sampling.paged_runner import ModelShape, PagedRunner
+from vision.checkpoint import Checkpoint
+
+__all__ = ["HFModelRunner", "UnsupportedModel", "load_hf_model"]
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint cannot run through the adapter (the message names the architecture and why)."""
+
+
+def _architecture(checkpoint: Checkpoint) -> str:
+    names = getattr(checkpoint.config, "architectures", None) or [type(checkpoint.config).__name__]
+    return str(names[0])
+
+
+def load_hf_model(checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype) -> Any:
+    """The checkpoint's transformers model, its language model on the paged attention.
+
+    :raises UnsupportedModel: transformers has no class for it, or its attention does not go through
+        the ``AttentionInterface``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    arch = _architecture(checkpoint)
+    auto = AutoModelForImageTextToText if checkpoint.vision_config is not None else AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(checkpoint.path, dtype=dtype)
+    except ValueError as exc:  # an unknown configuration class for this auto class
+        raise UnsupportedModel(f"architecture {arch}: transformers has no {auto.__name__} for it ({exc})") from None
+    name = register_paged_attention()
+    text_config = checkpoint_text_config(model)
+    target: str | dict[str, str] = {"text_config": name} if text_config is not model.config else name
+    model.set_attn_implementation(target)
+    if text_config._attn_implementation != name:
+        raise UnsupportedModel(
+            f"architecture {arch}: its attention does not go through transformers' AttentionInterface, "
+            "so the paged KV cache cannot be plugged into it"
+        )
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def checkpoint_text_config(model: Any) -> Any:
+    """The language model's config inside ``model``'s (itself for a causal LM)."""
+    return getattr(model.config, "text_config", None) or model.config
+
+
+class HFModelRunner(PagedRunner):
+    """Owns the transformers model and the KV cache; every call is synchronous and runs on ``device``."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        device: str,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        super().__init__(device=device, max_model_len=max_model_len, block_size=block_size)
+        self.image_token_id = checkpoint.image_token_id
+        self.model = load_hf_model(checkpoint, device=self.device, dtype=self.dtype)
+        text = checkpoint_text_config(self.model)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.cfg = ModelShape(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=text.num_key_value_heads,
+            head_dim=head_dim,
+        )
+        self.embed_tokens = self.model.get_input_embeddings()
+        self._allocate(num_blocks)
+
+    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
+        embeds = self.embed_tokens(token_ids)
+        if image_rows is not None and image_rows.numel():
+            embeds[token_ids == self.image_token_id] = image_rows.to(self.device, self.dtype)
+        return embeds
+
+    def _forward(self, embeds: torch.Tensor, batch: AttentionBatch, logits_to_keep: int) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` in fp32 of the last ``logits_to_keep`` rows (0: all) of ``embeds``
+        ``[N, hidden]``, the step's tokens as one row at the positions of ``batch``."""
+        out = self.model(
+            inputs_embeds=embeds[None],
+            position_ids=batch.positions.reshape(1, -1),
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            paged_step=PagedStep(batch, self.kv_caches),
+        )
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: list[int],
+        start: int,
+        block_table: list[int],
+        image_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch = self.prefill_inputs(start, start + len(token_ids), block_table)
+        ids = torch.tensor(token_ids, device=self.device)
+        return self._forward(self._embed(ids, image_rows), batch, 1)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, device=self.device)
+        return self._forward(self.embed_tokens(ids), batch, 0)

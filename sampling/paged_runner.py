@@ -1,0 +1,116 @@
+"""What every model runner shares: the paged KV cache, slot arithmetic, decode batches, block copies.
+
+A runner owns the weights and the KV cache; the engine calls ``prefill`` (one chunk of one
+sequence), ``decode_inputs`` + ``decode`` (one token for each of B sequences) and ``copy_blocks``.
+Every call is synchronous and runs on ``device``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sampling.kv_cache import allocate_kv_caches
+from sampling.paged_attention import AttentionBatch
+
+__all__ = ["ModelShape", "PagedRunner"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The sizes of a language model the engine and the KV cache need."""
+
+    vocab_size: int  # logits width
+    hidden_size: int  # embedding width (image rows have it)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class PagedRunner:
+    """The KV cache and the step inputs of a runner; subclasses add the model and its forward."""
+
+    cfg: ModelShape
+    image_token_id: int | None
+
+    def __init__(self, *, device: str, max_model_len: int, block_size: int) -> None:
+        self.device = torch.device(device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _allocate(self, num_blocks: int) -> None:
+        cfg = self.cfg
+        self.kv_caches = allocate_kv_caches(
+            cfg.num_layers,
+            num_blocks,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of K and V one block holds across all layers."""
+        k_cache = self.kv_caches[0][0]
+        return 2 * len(self.kv_caches) * self.block_size * k_cache[0].numel() * k_cache.element_size()
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> list[int]:
+        return [block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(num_tokens)]
+
+    def prefill_inputs(self, start: int, end: int, block_table: list[int]) -> AttentionBatch:
+        """Where the chunk ``start:end`` of one sequence goes in the cache and which keys it sees."""
+        slots = self._slots(block_table, end)
+        return AttentionBatch(
+            positions=torch.arange(start, end, device=self.device)[None],
+            slot_mapping=torch.tensor(slots[start:], device=self.device),
+            key_slots=torch.tensor(slots, device=self.device)[None],
+            key_valid=torch.ones(1, end, dtype=torch.bool, device=self.device),
+        )
+
+    def decode_inputs(self, positions: list[int], block_tables: list[list[int]]) -> AttentionBatch:
+        """Where each of B decode tokens goes in the cache and which keys it sees.
+
+        A fixed handful of torch calls whatever B: the per-row loop this replaces made ~10 per row
+        (0.94 ms at B = 32, now 0.10 ms), each a GIL handoff when another thread runs Python beside it.
+        """
+        bs = self.block_size
+        max_len = max(positions) + 1
+        num_blocks = -(-max_len // bs)
+        # tables: [B, num_blocks] each row's blocks in position order, padded with block 0
+        tables = torch.tensor([(t + [0] * num_blocks)[:num_blocks] for t in block_tables])
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L] slot of position j
+        pos = torch.tensor(positions)
+        key_valid = torch.arange(max_len)[None] <= pos[:, None]  # [B, L]
+        return AttentionBatch(
+            positions=pos.to(self.device)[:, None],
+            slot_mapping=slots[torch.arange(len(positions)), pos].to(self.device),
+            key_slots=slots.where(key_valid, 0).to(self.device, non_blocking=True),
+            key_valid=key_valid.to(self.device, non_blocking=True),
+        )
+
+    @torch.inference_mode()
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of blocks ``src`` into ``dst`` (n > 1 children share their parent's prefill)."""
+        bs = self.block_size
+        src_slots = (torch.tensor(src)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        dst_slots = (torch.tensor(dst)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst_slots] = k_cache[src_slots]
+            v_cache[dst_slots] = v_cache[src_slots]
+
+    def prefill(
+        self, token_ids: list[int], start: int, block_table: list[int], image_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Run the chunk ``token_ids`` at positions ``start...`` of one sequence; logits ``[1, vocab]``
+        of its last token. ``image_rows`` holds the embedding of each image token in the chunk."""
+        raise NotImplementedError
+
+    def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """One token for each of B sequences, placed by ``batch`` (from ``decode_inputs``); logits
+        ``[B, vocab]``. ``token_ids`` may already be on the device (the last step's samples)."""
+        raise NotImplementedError
