@@ -27,6 +27,10 @@ class PipelineConfig:
     # checkpoint folder's name. Any other name is a 404 model_not_found.
     served_model_names: tuple[str, ...] = ()
     device: str = "auto"  # "auto" picks cuda when available, else cpu
+    # the language model's implementation (sampling/families.py): "transformers", the checkpoint's own
+    # class over our paged attention; "native", the hand-written decoder (Mistral/Llama with default
+    # RoPE); "auto", native where it computes the same model, else transformers
+    model_impl: str = "auto"
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     # -- admission --
@@ -192,6 +196,8 @@ class PipelineConfig:
                 raise ValueError(f"PipelineConfig.{name} must be positive")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"PipelineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.model_impl not in ("auto", "transformers", "native"):
+            raise ValueError(f"PipelineConfig.model_impl must be auto, transformers or native, got {self.model_impl!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("PipelineConfig.num_kv_blocks must be positive")
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from pipeline.config import PipelineConfig
 from pipeline.errors import PromptTooLong
 from pipeline.observability.trace import Tracer
 from sampling.async_engine import AsyncEngine
 from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
+from sampling.families import build_runner
 from sampling.kv_cache import blocks_needed
 from sampling.model_runner import ModelRunner
+from sampling.paged_runner import PagedRunner
 from vision.checkpoint import Checkpoint
 
 __all__ = ["build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
@@ -61,22 +65,23 @@ def build_llm_engine(
     device: str,
     tracer: Tracer | None = None,
     record_timeline: bool = False,
-    runner: ModelRunner | None = None,
+    runner: PagedRunner | None = None,
 ) -> LLMEngine:
     """The synchronous engine core of ``checkpoint``, sized by ``config`` (benchmarks drive it directly);
     ``runner``: the model and KV cache of another engine built from the same config, to share."""
     tokenizer_info = checkpoint.tokenizer_info
     num_blocks = num_kv_blocks(config)
     if runner is None:
-        runner = ModelRunner(
+        runner = build_runner(
             checkpoint,
+            impl=config.model_impl,  # type: ignore[arg-type]  # checked by PipelineConfig
             device=device,
             max_model_len=config.max_model_len,
             num_blocks=num_blocks,
             block_size=config.kv_block_size,
         )
     return LLMEngine(
-        runner,
+        cast(ModelRunner, runner),  # the engine uses only the PagedRunner interface both runners share
         TokenBytes.from_tokenizer(tokenizer_info, checkpoint.tokenizer),
         eos_token_ids=[int(t) for t in tokenizer_info.stop_token_ids],
         num_blocks=num_blocks,

@@ -28,6 +28,7 @@ from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
 from sampling.async_engine import AsyncEngine
+from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
 from stages.grammar import GrammarStage
@@ -130,6 +131,7 @@ class Pipeline:
         cfg = self.config
         device = cfg.resolved_device()
         self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
+        family_of(ck)  # an architecture we cannot serve fails here, named, before anything loads
         self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
         self._grammar = build_grammar_stage(cfg, ck)
         if self.with_engine:

@@ -1,0 +1,109 @@
+"""The model registry: per architecture, what preparation and the scheduler must know.
+
+A family is a row here plus its parity test (tests/models/); the model itself is the checkpoint's
+own transformers class run through the adapter (sampling/hf_adapter.py). Rows say how positions
+are formed, whether an image span must stay in one prefill chunk, which extra per-token prefill
+inputs the model takes, and how the model writes tool calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sampling.hf_adapter import HFModelRunner, UnsupportedModel
+from sampling.model_runner import ModelRunner
+from sampling.paged_runner import PagedRunner
+from vision.checkpoint import Checkpoint
+
+__all__ = ["FAMILIES", "Family", "ModelImpl", "build_runner", "family_of"]
+
+ModelImpl = Literal["auto", "transformers", "native"]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What preparation and the scheduler must know of one architecture."""
+
+    name: str
+    position_scheme: Literal["1d", "mrope"] = "1d"  # mrope: 3 x L positions computed in preparation
+    atomic_image_spans: bool = False  # image tokens attend bidirectionally: never split across chunks
+    extra_prefill_inputs: tuple[str, ...] = ()  # per-token inputs beside the embeddings (DeepStack)
+    tool_call_format: Literal["mistral", "hermes", "llama3_json"] | None = None
+    # the hand-written decoder (sampling/model.py) runs it too, when its RoPE is the default one
+    native: bool = False
+    # the image token layout preparation implements; None: the family takes no images here yet
+    image_layout: Literal["pixtral"] | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "MistralForCausalLM": Family("Mistral", tool_call_format="mistral", native=True),
+    "LlamaForCausalLM": Family("Llama", tool_call_format="llama3_json", native=True),
+    "Qwen2ForCausalLM": Family("Qwen2", tool_call_format="hermes"),
+    "Qwen3ForCausalLM": Family("Qwen3", tool_call_format="hermes"),
+    "LlavaForConditionalGeneration": Family(
+        "Llava (Pixtral tower)", tool_call_format="mistral", native=True, image_layout="pixtral"
+    ),
+}
+
+
+def _architecture(checkpoint: Checkpoint) -> str:
+    names = getattr(checkpoint.config, "architectures", None) or [type(checkpoint.config).__name__]
+    return str(names[0])
+
+
+def family_of(checkpoint: Checkpoint) -> Family:
+    """The registry row of ``checkpoint``'s architecture.
+
+    :raises UnsupportedModel: naming the architecture and what is missing for it.
+    """
+    arch = _architecture(checkpoint)
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise UnsupportedModel(
+            f"architecture {arch} is not supported: it has no row in the model registry (sampling/families.py), "
+            f"which says how its positions, image spans and tool calls work; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    if checkpoint.vision_config is not None and family.image_layout is None:
+        raise UnsupportedModel(f"architecture {arch}: its image preparation (processor, placeholders) is missing")
+    if family.image_layout == "pixtral" and getattr(checkpoint.vision_config, "model_type", None) != "pixtral":
+        tower = getattr(checkpoint.vision_config, "model_type", None)
+        raise UnsupportedModel(f"architecture {arch} with a {tower} vision tower: only the Pixtral tower is supported")
+    return family
+
+
+def _native_fits(checkpoint: Checkpoint) -> bool:
+    """Whether the hand-written decoder computes exactly what the checkpoint's model does."""
+    text: Any = checkpoint.text_config
+    rope = getattr(text, "rope_parameters", None) or {}
+    return (
+        rope.get("rope_type", "default") == "default"
+        and not getattr(text, "attention_bias", False)
+        and not getattr(text, "mlp_bias", False)
+        and getattr(text, "sliding_window", None) is None
+        and getattr(text, "hidden_act", "silu") == "silu"
+    )
+
+
+def build_runner(
+    checkpoint: Checkpoint,
+    *,
+    impl: ModelImpl = "auto",
+    device: str,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+) -> PagedRunner:
+    """The model runner of ``checkpoint``: ``transformers`` (the adapter), ``native`` (the
+    hand-written decoder) or ``auto`` (native where it computes the same model, else the adapter).
+
+    :raises UnsupportedModel: the architecture is not supported, or ``native`` cannot run it.
+    """
+    family = family_of(checkpoint)
+    native = family.native and _native_fits(checkpoint)
+    if impl == "native" and not native:
+        raise UnsupportedModel(
+            f"architecture {_architecture(checkpoint)}: the native decoder cannot run this checkpoint"
+        )
+    kind = ModelRunner if impl == "native" or (impl == "auto" and native) else HFModelRunner
+    return kind(checkpoint, device=device, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
