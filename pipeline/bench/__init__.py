@@ -23,6 +23,7 @@ SCENARIOS = {
     "ahead": "ahead",
     "cache": "cache",
     "scale": "scale",
+    "impl": "impl",
 }
 
 

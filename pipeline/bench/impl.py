@@ -1,0 +1,130 @@
+"""impl: decode time per output token of the adapter (transformers' model over our paged attention)
+÷ the hand-written decoder, batch 1, 8 and 32, on the embedded default model.
+
+Two engines over the same checkpoint, one per implementation (``PipelineConfig.model_impl``), with
+the same prompts and output lengths (``ignore_eos``, greedy). Runs come in interleaved pairs, the two
+implementations one after the other (their order alternating between pairs), so drift of a shared
+machine cancels within a pair; a pair's ratio is adapter TPOT ÷ native TPOT and the median over
+pairs is reported with its min and max. TPOT is wall-clock: the median interval between consecutive
+``step()`` calls that each delivered a token to every sequence of the full batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from pipeline.bench.common import load_average, machine, median, print_table
+from pipeline.config import PipelineConfig, default_cache_dir
+from pipeline.core.engine_factory import build_llm_engine
+from sampling.engine import LLMEngine
+from sampling.inputs import EngineInput
+from sampling.params import SamplingParams
+from vision.checkpoint import open_checkpoint
+
+__all__ = ["add_arguments", "run"]
+
+IMPLS = ("native", "transformers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved (native, transformers) pairs per batch")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+
+
+def _tpot(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> tuple[float, float]:
+    """Median wall-clock interval between full-batch decode steps of one run, and the median
+    process CPU time of those intervals (less sensitive to a loaded machine than the wall clock)."""
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        engine.add(EngineInput(f"{tag}-{i}", prompt, 10, None, params))
+    gaps: list[float] = []
+    cpu_gaps: list[float] = []
+    last_full: tuple[float, float] | None = None
+    while engine.has_work():
+        outputs = engine.step()
+        now = (time.perf_counter(), time.process_time())
+        is_full = len(outputs) == len(prompts)
+        if is_full and last_full is not None:
+            gaps.append(now[0] - last_full[0])
+            cpu_gaps.append(now[1] - last_full[1])
+        last_full = now if is_full else None
+    return median(gaps), median(cpu_gaps)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the scenario; print its table and return ``{"scenario": "impl", "results": [...]}``."""
+    load = [load_average()]
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoint = open_checkpoint(None, default_cache_dir())
+    batches = [int(b) for b in args.batches.split(",")]
+    config = PipelineConfig(
+        max_running_seqs=max(batches),
+        max_model_len=1024,
+        num_kv_blocks=max(batches) * (-(-(args.steps + 64) // 16)),
+    )
+    engines = {
+        impl: build_llm_engine(checkpoint, dataclasses.replace(config, model_impl=impl), device=device)
+        for impl in IMPLS
+    }
+    results = []
+    with tqdm(total=len(batches) * args.pairs * 2, desc="impl", file=sys.stderr) as progress:
+        for batch in batches:
+            prompts = [
+                checkpoint.tokenizer.encode(f"[INST]Write note {i} about the sea.[/INST]", add_special_tokens=False)
+                for i in range(batch)
+            ]
+            for engine in engines.values():
+                _tpot(engine, prompts, 4, "warm")
+            tpots: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+            cpus: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+            ratios, cpu_ratios = [], []
+            for pair in range(args.pairs):
+                for impl in IMPLS if pair % 2 == 0 else IMPLS[::-1]:
+                    wall, cpu = _tpot(engines[impl], prompts, args.steps, f"{impl}{batch}-{pair}")
+                    tpots[impl].append(wall)
+                    cpus[impl].append(cpu)
+                    progress.update(1)
+                ratios.append(tpots["transformers"][-1] / tpots["native"][-1])
+                cpu_ratios.append(cpus["transformers"][-1] / cpus["native"][-1])
+            results.append(
+                {
+                    "batch": batch,
+                    "tpot_ms_native": round(median(tpots["native"]) * 1000, 3),
+                    "tpot_ms_transformers": round(median(tpots["transformers"]) * 1000, 3),
+                    "ratio": round(median(ratios), 3),
+                    "ratio_min": round(min(ratios), 3),
+                    "ratio_max": round(max(ratios), 3),
+                    "cpu_ms_native": round(median(cpus["native"]) * 1000, 3),
+                    "cpu_ms_transformers": round(median(cpus["transformers"]) * 1000, 3),
+                    "cpu_ratio": round(median(cpu_ratios), 3),
+                    "cpu_ratio_min": round(min(cpu_ratios), 3),
+                    "cpu_ratio_max": round(max(cpu_ratios), 3),
+                }
+            )
+    load.append(load_average())
+    print(
+        f"\nimpl: {args.steps} tokens per sequence, greedy, {args.pairs} interleaved pairs per batch, {device}, "
+        f"torch threads {torch.get_num_threads()}, {machine()}, load {load[0]} -> {load[1]}"
+    )
+    rows = [
+        [r["batch"], r["tpot_ms_native"], r["tpot_ms_transformers"], r["ratio"], f"{r['ratio_min']}-{r['ratio_max']}"]
+        + [r["cpu_ms_native"], r["cpu_ms_transformers"], r["cpu_ratio"], f"{r['cpu_ratio_min']}-{r['cpu_ratio_max']}"]
+        for r in results
+    ]
+    header = ["batch", "native ms", "transformers ms", "ratio", "min-max"]
+    print_table([*header, "native cpu ms", "transformers cpu ms", "cpu ratio", "min-max"], rows)
+    print("(ratio: median over pairs of the adapter's TPOT ÷ the hand-written decoder's in the same pair; ≤ 1.05")
+    print(" retires the hand-written decoder; cpu: the process's CPU time per full-batch step, same pairs)")
+    return {"scenario": "impl", "results": [{k: r[k] for k in ("batch", "ratio", "cpu_ratio")} for r in results]}
