@@ -44,6 +44,8 @@ FAMILIES: dict[str, Family] = {
     "LlavaForConditionalGeneration": Family(
         "Llava (Pixtral tower)", tool_call_format="mistral", native=True, image_layout="pixtral"
     ),
+    # Pixtral tower + patch merger: the Pixtral layout over merged patches
+    "Mistral3ForConditionalGeneration": Family("Mistral 3", tool_call_format="mistral", image_layout="pixtral"),
 }
 
 

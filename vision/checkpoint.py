@@ -53,7 +53,11 @@ class Checkpoint:
             return None
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(self.path)
+        processor = AutoImageProcessor.from_pretrained(self.path)
+        merge = getattr(self.config, "spatial_merge_size", None)
+        if merge and merge > 1:  # the model's merge of patches into tokens, which the image grid counts in
+            processor.spatial_merge_size = int(merge)
+        return processor
 
     def _has_image_processor(self) -> bool:
         if (self.path / "preprocessor_config.json").exists():

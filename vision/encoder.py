@@ -1,4 +1,6 @@
-"""The vision encoder: Pixtral vision tower + Llava projector, loaded from a checkpoint folder."""
+"""The vision encoder of a checkpoint: for Llava with a Pixtral tower, the tower and Llava's projector
+loaded alone; for other families, the checkpoint's own transformers model with its language model
+dropped, encoding through its own ``get_image_features`` (tower + projector or patch merger)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ class VisionEncoder:
             raise ValueError(f"{checkpoint.path} has no vision_config: not a vision-language checkpoint")
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.text_hidden_size = int(checkpoint.text_config.hidden_size)
+        self.model: Any = None
+        if (config.model_type, checkpoint.vision_config.model_type) != ("llava", "pixtral"):
+            self.model = _load_without_language_model(checkpoint, self.device, self.dtype)
+            return
         self.tower = PixtralVisionModel(checkpoint.vision_config)
         self.projector = _Projector(
             checkpoint.vision_config.hidden_size,
@@ -53,7 +60,7 @@ class VisionEncoder:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.projector.linear_2.out_features)
+        return self.text_hidden_size
 
     def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """One tensor ``[num_patches, hidden]`` per image, on the CPU in the model's dtype.
@@ -71,9 +78,24 @@ class VisionEncoder:
             raise ValueError("the image has no pixels to encode")
         # pixel_values: [1, 3, H, W]
         pixels = image.pixel_values[None].to(self.device, self.dtype, non_blocking=True)
+        if self.model is not None:
+            sizes = torch.tensor([image.pixel_values.shape[1:]])
+            features: Any = self.model.get_image_features(pixel_values=pixels, image_sizes=sizes)
+            return features.pooler_output[0].to("cpu")  # [image tokens, hidden]
         out: Any = self.tower(pixels, image_sizes=[tuple(image.pixel_values.shape[1:])])
         # last_hidden_state: [1, num_patches, vision_hidden]
         return self.projector(out.last_hidden_state[0]).to("cpu")
+
+
+def _load_without_language_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> Any:
+    """The checkpoint's own model with only its vision tower and projector kept."""
+    from transformers import AutoModelForImageTextToText
+
+    model: Any = AutoModelForImageTextToText.from_pretrained(checkpoint.path, dtype=dtype)
+    # the language model never runs here (the decode engine has its own): free its weights
+    model.model.language_model = None
+    model.lm_head = None
+    return model.to(device).eval()
 
 
 def _load(module: nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:

@@ -57,12 +57,18 @@ class ImageTokenIds:
 
 
 def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
-    """Resize, rescale and normalise one RGB image with the checkpoint's processor (CPU, ~ms)."""
+    """Resize, rescale and normalise one RGB image with the checkpoint's processor (CPU, ~ms).
+
+    Where the model merges ``spatial_merge_size``² patches into one token (Mistral 3), the image is
+    resized to whole merged patches and its grid counts tokens, as the model's processor does."""
     patch = processor.patch_size
-    patch_h = patch["height"] if isinstance(patch, dict) else patch
-    patch_w = patch["width"] if isinstance(patch, dict) else patch
+    merge = int(getattr(processor, "spatial_merge_size", 1) or 1)
+    patch_h = (patch["height"] if isinstance(patch, dict) else patch) * merge
+    patch_w = (patch["width"] if isinstance(patch, dict) else patch) * merge
     # one image needs no padding to a batch shape (padding showed up as ~10% of a burst's CPU)
-    extra = {"do_pad": False} if hasattr(processor, "do_pad") else {}
+    extra: dict[str, Any] = {"do_pad": False} if hasattr(processor, "do_pad") else {}
+    if merge > 1:
+        extra["patch_size"] = {"height": patch_h, "width": patch_w}
     out = processor(images=[image], return_tensors="pt", **extra)
     height, width = (int(v) for v in out["image_sizes"][0])
     pixels = out["pixel_values"][0][:, :height, :width].contiguous()

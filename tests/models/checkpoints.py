@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "build_family", "build_tokenizer", "family_dirs"]
+__all__ = ["FAMILIES", "Family", "build_family", "build_mistral3", "build_tokenizer", "family_dirs"]
 
 SEED = 20
 VOCAB_SIZE = 384  # the model's embedding rows; the tokenizer uses fewer (BPE trained below)
@@ -241,7 +241,73 @@ def family_dirs(tmp_path_factory: Any) -> Callable[[str], Path]:
 
     def get(name: str) -> Path:
         if name not in built:
-            built[name] = build_family(FAMILIES[name], tmp_path_factory.mktemp(name.replace(".", "_")))
+            folder = tmp_path_factory.mktemp(name.replace(".", "_"))
+            built[name] = build_mistral3(folder) if name == "mistral3" else build_family(FAMILIES[name], folder)
         return built[name]
 
     return get
+
+
+MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "[TOOL_CALLS]"]
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ '[INST]' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }}{% elif p['type'] == 'image' %}{{ '[IMG]' }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '[/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def build_mistral3(folder: Path) -> Path:
+    """Mistral 3: a Pixtral tower whose patches a merger joins 2 x 2 into one token, a Mistral
+    decoder, and the Pixtral processor saved by ``processor.save_pretrained`` (processor_config.json)."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralImageProcessor,
+        PixtralProcessor,
+        PixtralVisionConfig,
+    )
+
+    tokenizer = build_tokenizer(MISTRAL3_SPECIALS, chat_template=MISTRAL3_TEMPLATE, bos="<s>", eos="</s>", unk="<unk>")
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in MISTRAL3_SPECIALS}
+    vision = PixtralVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        num_channels=3,
+        image_size=256,
+        patch_size=16,
+        initializer_range=INIT_RANGE,
+    )
+    text = MistralConfig(**_text_dims(), sliding_window=None, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"])
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["[IMG]"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        multimodal_projector_bias=False,
+    )
+    torch.manual_seed(SEED)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=ids["<s>"], eos_token_id=[ids["</s>"]])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    image_processor = PixtralImageProcessor(size={"longest_edge": 256}, patch_size={"height": 16, "width": 16})
+    PixtralProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=16,
+        spatial_merge_size=2,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+    ).save_pretrained(folder)
+    return folder

@@ -1,0 +1,73 @@
+"""Vision-language families through the adapter and the model's own ``get_image_features``: greedy
+answers equal to transformers' own ``generate`` on the inputs the checkpoint's own processor builds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from pipeline import PipelineConfig
+from pipeline.core.pipeline import Pipeline
+from tests.images import data_url, encode, image_request, make_image
+from vision.checkpoint import Checkpoint
+
+FamilyDir = Callable[[str], Path]
+MAX_TOKENS = 12
+IMAGES = [(96, 64, 1), (40, 80, 2)]
+
+
+def _reference(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], list[int]]:
+    """The prompt the checkpoint's own processor builds, and transformers' greedy answer to it."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("preparation_mode", ["thread", "process"])
+async def test_mistral3_answers_about_two_images_and_text_as_transformers_does(
+    preparation_mode: str, family_dir: FamilyDir
+) -> None:
+    folder = family_dir("mistral3")
+    assert not (folder / "preprocessor_config.json").exists()  # the processor saved inside processor_config.json
+    images = [make_image(w, h, seed=s) for w, h, s in IMAGES]
+    parts = [{"type": "text", "text": "Describe."}, {"type": "image"}, {"type": "image"}]
+    image_prompt, image_answer = _reference(folder, parts, images)
+    text_prompt, text_answer = _reference(folder, [{"type": "text", "text": "Hello world"}], [])
+    body = image_request([data_url(encode(image)) for image in images], max_tokens=MAX_TOKENS, temperature=0)
+    config = PipelineConfig(
+        model=str(folder),
+        device="cpu",
+        preparation_mode=preparation_mode,
+        prep_workers=1,
+        max_running_seqs=4,
+        num_kv_blocks=64,
+        max_model_len=512,
+    )
+    with anyio.fail_after(180):
+        async with Pipeline(config) as pipe:
+            assert (await pipe.prepare(body)).prompt_token_ids == image_prompt
+            answer = await (await pipe.submit(body)).result()
+            text = {
+                "messages": [{"role": "user", "content": "Hello world"}],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+            }
+            assert (await pipe.prepare(text)).prompt_token_ids == text_prompt
+            text_result = await (await pipe.submit(text)).result()
+    assert answer.token_ids == image_answer
+    assert text_result.token_ids == text_answer
+    assert Checkpoint(folder).image_processor is not None
