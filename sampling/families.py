@@ -32,8 +32,8 @@ class Family:
     tool_call_format: Literal["mistral", "hermes", "llama3_json"] | None = None
     # the hand-written decoder (sampling/model.py) runs it too, when its RoPE is the default one
     native: bool = False
-    # the image token layout preparation implements; None: the family takes no images here yet
-    image_layout: Literal["pixtral"] | None = None
+    # the vision towers (their config's model_type) preparation and the encoder handle for it
+    vision_towers: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
@@ -41,11 +41,12 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("Llama", tool_call_format="llama3_json", native=True),
     "Qwen2ForCausalLM": Family("Qwen2", tool_call_format="hermes"),
     "Qwen3ForCausalLM": Family("Qwen3", tool_call_format="hermes"),
+    # Pixtral tower: rows of [IMG] closed by [IMG_BREAK]/[IMG_END]; CLIP: <image> once per patch
     "LlavaForConditionalGeneration": Family(
-        "Llava (Pixtral tower)", tool_call_format="mistral", native=True, image_layout="pixtral"
+        "Llava", tool_call_format="mistral", native=True, vision_towers=("pixtral", "clip_vision_model")
     ),
     # Pixtral tower + patch merger: the Pixtral layout over merged patches
-    "Mistral3ForConditionalGeneration": Family("Mistral 3", tool_call_format="mistral", image_layout="pixtral"),
+    "Mistral3ForConditionalGeneration": Family("Mistral 3", tool_call_format="mistral", vision_towers=("pixtral",)),
 }
 
 
@@ -66,11 +67,18 @@ def family_of(checkpoint: Checkpoint) -> Family:
             f"architecture {arch} is not supported: it has no row in the model registry (sampling/families.py), "
             f"which says how its positions, image spans and tool calls work; supported: {', '.join(sorted(FAMILIES))}"
         )
-    if checkpoint.vision_config is not None and family.image_layout is None:
-        raise UnsupportedModel(f"architecture {arch}: its image preparation (processor, placeholders) is missing")
-    if family.image_layout == "pixtral" and getattr(checkpoint.vision_config, "model_type", None) != "pixtral":
-        tower = getattr(checkpoint.vision_config, "model_type", None)
-        raise UnsupportedModel(f"architecture {arch} with a {tower} vision tower: only the Pixtral tower is supported")
+    if checkpoint.vision_config is not None:
+        tower = checkpoint.vision_config.model_type
+        if tower not in family.vision_towers:
+            raise UnsupportedModel(
+                f"architecture {arch} with a {tower} vision tower: its image preparation is missing "
+                f"(supported towers: {', '.join(family.vision_towers) or 'none'})"
+            )
+        if (
+            tower == "clip_vision_model"
+            and getattr(checkpoint.config, "vision_feature_select_strategy", None) != "default"
+        ):
+            raise UnsupportedModel(f"architecture {arch}: a CLIP tower that keeps its CLS token is not supported")
     return family
 
 

@@ -54,6 +54,9 @@ class Checkpoint:
         from transformers import AutoImageProcessor
 
         processor = AutoImageProcessor.from_pretrained(self.path)
+        if getattr(processor, "patch_size", None) is None and self.vision_config is not None:
+            # a fixed-size processor (CLIP) knows no patches: the tower's patch makes the token grid
+            processor.patch_size = int(self.vision_config.patch_size)
         merge = getattr(self.config, "spatial_merge_size", None)
         if merge and merge > 1:  # the model's merge of patches into tokens, which the image grid counts in
             processor.spatial_merge_size = int(merge)

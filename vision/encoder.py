@@ -43,6 +43,7 @@ class VisionEncoder:
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.text_hidden_size = int(checkpoint.text_config.hidden_size)
         self.model: Any = None
+        self.takes_sizes = checkpoint.vision_config.model_type == "pixtral"
         if (config.model_type, checkpoint.vision_config.model_type) != ("llava", "pixtral"):
             self.model = _load_without_language_model(checkpoint, self.device, self.dtype)
             return
@@ -79,8 +80,9 @@ class VisionEncoder:
         # pixel_values: [1, 3, H, W]
         pixels = image.pixel_values[None].to(self.device, self.dtype, non_blocking=True)
         if self.model is not None:
-            sizes = torch.tensor([image.pixel_values.shape[1:]])
-            features: Any = self.model.get_image_features(pixel_values=pixels, image_sizes=sizes)
+            # only towers of dynamic resolution (Pixtral) take the image's size
+            sizes = {"image_sizes": torch.tensor([image.pixel_values.shape[1:]])} if self.takes_sizes else {}
+            features: Any = self.model.get_image_features(pixel_values=pixels, **sizes)
             return features.pooler_output[0].to("cpu")  # [image tokens, hidden]
         out: Any = self.tower(pixels, image_sizes=[tuple(image.pixel_values.shape[1:])])
         # last_hidden_state: [1, num_patches, vision_hidden]

@@ -37,22 +37,27 @@ class PreparedImage:
 
 @dataclass(frozen=True, slots=True)
 class ImageTokenIds:
-    image: int  # "[IMG]": one per patch, replaced by the patch's embedding
-    row_break: int  # "[IMG_BREAK]": ends every row but the last
-    image_end: int  # "[IMG_END]": ends the image
+    """The image token layout: Pixtral's rows closed by break and end tokens, or (Llava with a
+    CLIP tower) the image token once per embedding row, nothing between."""
+
+    image: int  # "[IMG]" / "<image>": one per patch, replaced by the patch's embedding
+    row_break: int | None  # "[IMG_BREAK]": ends every row but the last (Pixtral)
+    image_end: int | None  # "[IMG_END]": ends the image (Pixtral)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, image_token_id: int) -> ImageTokenIds:
-        """The ids of ``tokenizer``'s Pixtral image tokens.
+        """The layout of ``tokenizer``: Pixtral's when it has [IMG_BREAK] and [IMG_END], plain
+        repetition when it has neither.
 
-        :raises ValueError: naming the token the tokenizer lacks.
+        :raises ValueError: naming the token the tokenizer lacks when it has only one of them.
         """
-        found = {}
+        found: dict[str, int | None] = {}
         for token in ("[IMG_BREAK]", "[IMG_END]"):
             token_id = tokenizer.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tokenizer.unk_token_id:
-                raise ValueError(f"the tokenizer has no {token} token, which Pixtral's image layout needs")
-            found[token] = int(token_id)
+            found[token] = None if token_id is None or token_id == tokenizer.unk_token_id else int(token_id)
+        missing = [token for token, token_id in found.items() if token_id is None]
+        if len(missing) == 1:
+            raise ValueError(f"the tokenizer has no {missing[0]} token, which Pixtral's image layout needs")
         return cls(image=image_token_id, row_break=found["[IMG_BREAK]"], image_end=found["[IMG_END]"])
 
 
@@ -70,7 +75,10 @@ def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
     if merge > 1:
         extra["patch_size"] = {"height": patch_h, "width": patch_w}
     out = processor(images=[image], return_tensors="pt", **extra)
-    height, width = (int(v) for v in out["image_sizes"][0])
+    if "image_sizes" in out:  # dynamic resolution (Pixtral): the image's own size inside the padding
+        height, width = (int(v) for v in out["image_sizes"][0])
+    else:  # a fixed size (CLIP): one token per patch of the whole picture
+        height, width = out["pixel_values"].shape[-2:]
     pixels = out["pixel_values"][0][:, :height, :width].contiguous()
     return PreparedImage(pixel_values=pixels, num_rows=height // patch_h, num_cols=width // patch_w)
 
@@ -79,7 +87,7 @@ def expand_image_tokens(token_ids: list[int], images: Sequence[ImageGrid], ids: 
     """Replace the i-th ``[IMG]`` placeholder with the i-th image's grid of tokens.
 
     Pixtral's layout: each row is ``num_cols`` × ``[IMG]`` then ``[IMG_BREAK]``; the last row ends
-    with ``[IMG_END]`` instead.
+    with ``[IMG_END]`` instead. Without break tokens the rows follow each other (Llava with CLIP).
 
     :raises ValueError: if the number of placeholders differs from the number of images.
     """
@@ -96,5 +104,7 @@ def expand_image_tokens(token_ids: list[int], images: Sequence[ImageGrid], ids: 
         row = [ids.image] * image.num_cols
         for r in range(image.num_rows):
             out.extend(row)
-            out.append(ids.image_end if r == image.num_rows - 1 else ids.row_break)
+            closing = ids.image_end if r == image.num_rows - 1 else ids.row_break
+            if closing is not None:
+                out.append(closing)
     return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "build_family", "build_mistral3", "build_tokenizer", "family_dirs"]
+__all__ = ["FAMILIES", "Family", "build_family", "build_llava_clip", "build_mistral3", "build_tokenizer", "family_dirs"]
 
 SEED = 20
 VOCAB_SIZE = 384  # the model's embedding rows; the tokenizer uses fewer (BPE trained below)
@@ -242,7 +242,8 @@ def family_dirs(tmp_path_factory: Any) -> Callable[[str], Path]:
     def get(name: str) -> Path:
         if name not in built:
             folder = tmp_path_factory.mktemp(name.replace(".", "_"))
-            built[name] = build_mistral3(folder) if name == "mistral3" else build_family(FAMILIES[name], folder)
+            vlm = _VLM_BUILDERS.get(name)
+            built[name] = vlm(folder) if vlm is not None else build_family(FAMILIES[name], folder)
         return built[name]
 
     return get
@@ -311,3 +312,73 @@ def build_mistral3(folder: Path) -> Path:
         image_end_token="[IMG_END]",
     ).save_pretrained(folder)
     return folder
+
+
+LLAVA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'].upper() + ': ' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }}{% elif p['type'] == 'image' %}{{ '<image>\\n' }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def build_llava_clip(folder: Path) -> Path:
+    """Llava 1.5: a CLIP tower (CLS dropped: one ``<image>`` token per patch), a two-layer projector,
+    a Llama decoder, and the Llava processor over CLIP's fixed-size image processor."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    specials = ["<unk>", "<s>", "</s>", "<image>"]
+    tokenizer = build_tokenizer(specials, chat_template=LLAVA_TEMPLATE, bos="<s>", eos="</s>", unk="<unk>")
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in specials}
+    vision = CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        projection_dim=64,
+        initializer_range=INIT_RANGE,
+    )
+    text = LlamaConfig(
+        **_text_dims(),
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+    )
+    torch.manual_seed(SEED)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=ids["<s>"], eos_token_id=[ids["</s>"]])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    ).save_pretrained(folder)
+    return folder
+
+
+_VLM_BUILDERS = {"mistral3": build_mistral3, "llava-clip": build_llava_clip}

@@ -37,11 +37,19 @@ def _reference(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> 
     return prompt, out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("preparation_mode", ["thread", "process"])
-async def test_mistral3_answers_about_two_images_and_text_as_transformers_does(
-    preparation_mode: str, family_dir: FamilyDir
+@pytest.mark.parametrize(
+    ("family", "preparation_mode", "impl"),
+    [
+        ("mistral3", "thread", "auto"),
+        ("mistral3", "process", "auto"),
+        ("llava-clip", "thread", "transformers"),
+        ("llava-clip", "process", "native"),
+    ],
+)
+async def test_answers_about_two_images_and_text_are_transformers_own(
+    family: str, preparation_mode: str, impl: str, family_dir: FamilyDir
 ) -> None:
-    folder = family_dir("mistral3")
+    folder = family_dir(family)
     assert not (folder / "preprocessor_config.json").exists()  # the processor saved inside processor_config.json
     images = [make_image(w, h, seed=s) for w, h, s in IMAGES]
     parts = [{"type": "text", "text": "Describe."}, {"type": "image"}, {"type": "image"}]
@@ -50,6 +58,7 @@ async def test_mistral3_answers_about_two_images_and_text_as_transformers_does(
     body = image_request([data_url(encode(image)) for image in images], max_tokens=MAX_TOKENS, temperature=0)
     config = PipelineConfig(
         model=str(folder),
+        model_impl=impl,
         device="cpu",
         preparation_mode=preparation_mode,
         prep_workers=1,
