@@ -41,6 +41,8 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("Llama", tool_call_format="llama3_json", native=True),
     "Qwen2ForCausalLM": Family("Qwen2", tool_call_format="hermes"),
     "Qwen3ForCausalLM": Family("Qwen3", tool_call_format="hermes"),
+    "Gemma2ForCausalLM": Family("Gemma 2"),
+    "Gemma3ForCausalLM": Family("Gemma 3 (text)"),
     # Pixtral tower: rows of [IMG] closed by [IMG_BREAK]/[IMG_END]; CLIP: <image> once per patch
     "LlavaForConditionalGeneration": Family(
         "Llava", tool_call_format="mistral", native=True, vision_towers=("pixtral", "clip_vision_model")

@@ -147,6 +147,46 @@ def _mistral_config(ids: list[int]) -> Any:
     )
 
 
+def _qwen2_config(ids: list[int]) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **_text_dims(),
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        bos_token_id=None,
+        eos_token_id=ids[2],
+    )
+
+
+def _gemma_config(version: int) -> Callable[[list[int]], Any]:
+    def make(ids: list[int]) -> Any:
+        from transformers import Gemma2Config, Gemma3TextConfig
+
+        extra: dict[str, Any] = {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0} if version == 2 else {}
+        return (Gemma2Config if version == 2 else Gemma3TextConfig)(
+            **_text_dims(),
+            sliding_window=8,  # shorter than the test prompts: the sliding layer sees only its window
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+            pad_token_id=ids[0],
+            eos_token_id=ids[1],
+            bos_token_id=ids[2],
+            **extra,
+        )
+
+    return make
+
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+_GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+
 _LLAMA3_SPECIALS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -197,6 +237,39 @@ FAMILIES: dict[str, Family] = {
         "<|im_end|>",
         ["<|im_end|>", "<|endoftext|>"],
     ),
+    # q/k/v projections with biases
+    "qwen2": Family(
+        "qwen2",
+        _qwen2_config,
+        "Qwen2ForCausalLM",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
+        CHATML_TEMPLATE,
+        None,
+        "<|im_end|>",
+        ["<|im_end|>", "<|endoftext|>"],
+    ),
+    # sliding-window layers, attention and final logit soft-capping, scaled embeddings
+    "gemma2": Family(
+        "gemma2",
+        _gemma_config(2),
+        "Gemma2ForCausalLM",
+        _GEMMA_SPECIALS,
+        GEMMA_TEMPLATE,
+        "<bos>",
+        "<eos>",
+        ["<eos>", "<end_of_turn>"],
+    ),
+    # sliding-window layers with their own RoPE, qk-norm, scaled embeddings
+    "gemma3": Family(
+        "gemma3",
+        _gemma_config(3),
+        "Gemma3ForCausalLM",
+        _GEMMA_SPECIALS,
+        GEMMA_TEMPLATE,
+        "<bos>",
+        "<eos>",
+        ["<eos>", "<end_of_turn>"],
+    ),
     "mistral": Family(
         "mistral",
         _mistral_config,
@@ -224,6 +297,10 @@ def build_family(family: Family, folder: Path) -> Path:
     config = family.make_config(ids)
     torch.manual_seed(SEED)
     model = getattr(transformers, family.model_class)(config).eval()
+    with torch.no_grad():  # transformers starts biases and norm offsets at zero: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, INIT_RANGE)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in family.generation_eos],

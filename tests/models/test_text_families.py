@@ -1,5 +1,6 @@
-"""Text families through the adapter: Llama 3.1 (``llama3`` RoPE scaling), Qwen3 (qk-norm) and
-Mistral, each served through ``Pipeline.submit()`` with greedy answers equal to transformers' own
+"""Text families through the adapter: Llama 3.1 (``llama3`` RoPE scaling), Qwen3 (qk-norm), Qwen2
+(q/k/v biases), Gemma 2 (sliding windows, soft-capping), Gemma 3 (sliding windows with their own
+RoPE, qk-norm) and Mistral, each served through ``Pipeline.submit()`` with greedy answers equal to transformers' own
 ``generate`` on the same rendered prompt, logits within 1e-4, and a guided answer that validates."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sampling.hf_adapter import HFModelRunner, UnsupportedModel
 from vision.checkpoint import Checkpoint
 
 FamilyDir = Callable[[str], Path]
-TEXT_FAMILIES = ["llama3.1", "qwen3", "mistral"]
+TEXT_FAMILIES = ["llama3.1", "qwen3", "qwen2", "gemma2", "gemma3", "mistral"]
 ATOL = 1e-4
 MESSAGES = [{"role": "user", "content": "Describe the quick brown fox in one sentence, please."}]
 SCHEMA = {
@@ -89,6 +90,7 @@ async def test_served_answers_equal_generate_and_guided_answers_validate(
     tokenizer = Checkpoint(folder).tokenizer
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
     expected = _generate(_reference(folder), prompt, 16)
+    assert len(expected) > 8  # a real answer, not an end of turn at once
     guided = {
         "messages": MESSAGES,
         "max_tokens": 64,
@@ -106,7 +108,12 @@ async def test_served_answers_equal_generate_and_guided_answers_validate(
 
 @pytest.mark.parametrize(
     ("family", "without_feature"),
-    [("llama3.1", {"rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}})],
+    [
+        ("llama3.1", {"rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}}),
+        ("gemma3", {"sliding_window": 4096}),
+        ("gemma2", {"sliding_window": 4096}),
+        ("gemma2", {"attn_logit_softcapping": None}),  # the final cap keeps the argmax: the logits test has it
+    ],
 )
 def test_the_family_feature_changes_the_greedy_tokens(
     family: str, without_feature: dict[str, Any], family_dir: FamilyDir
@@ -115,6 +122,17 @@ def test_the_family_feature_changes_the_greedy_tokens(
     folder = family_dir(family)
     prompt = Checkpoint(folder).tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
     assert _generate(_reference(folder), prompt, 16) != _generate(_reference(folder, **without_feature), prompt, 16)
+
+
+def test_qwen2_without_biases_would_answer_otherwise(family_dir: FamilyDir) -> None:
+    folder = family_dir("qwen2")
+    prompt = Checkpoint(folder).tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
+    reference, ablated = _reference(folder), _reference(folder)
+    with torch.no_grad():
+        for layer in ablated.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+    assert _generate(reference, prompt, 16) != _generate(ablated, prompt, 16)
 
 
 def test_qwen3_without_qk_norm_would_answer_otherwise(family_dir: FamilyDir) -> None:
@@ -126,7 +144,7 @@ def test_qwen3_without_qk_norm_would_answer_otherwise(family_dir: FamilyDir) -> 
     assert _generate(reference, prompt, 16) != _generate(ablated, prompt, 16)
 
 
-@pytest.mark.parametrize("family", ["llama3.1", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3.1", "qwen3", "qwen2", "gemma3"])
 def test_auto_picks_the_adapter_where_the_native_decoder_cannot(family: str, family_dir: FamilyDir) -> None:
     checkpoint = Checkpoint(family_dir(family))
     runner = build_runner(checkpoint, device="cpu", max_model_len=64, num_blocks=4, block_size=16)
