@@ -91,7 +91,7 @@ def test_stop_ids_include_the_generation_config_eos_list(family_dir: FamilyDir) 
     assert checkpoint.stop_token_ids == [end_of_text, eom, eot]
     assert sorted(checkpoint.tokenizer_info.stop_token_ids) == sorted([end_of_text, eom, eot])
     engine = build_llm_engine(checkpoint, small_config(checkpoint.path), device="cpu")
-    assert sorted(engine.eos_token_ids) == sorted([end_of_text, eom, eot])
+    assert sorted(engine.requests.eos_token_ids) == sorted([end_of_text, eom, eot])
     qwen = Checkpoint(family_dir("qwen3"))  # an eos list whose first entry is the tokenizer's own
     assert qwen.stop_token_ids == [qwen.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
 
