@@ -1,6 +1,7 @@
-"""The vision encoder of a checkpoint: for Llava with a Pixtral tower, the tower and Llava's projector
-loaded alone; for other families, the checkpoint's own transformers model with its language model
-dropped, encoding through its own ``get_image_features`` (tower + projector or patch merger)."""
+"""The vision encoder of a checkpoint: for Llava with a Pixtral tower (its last layer, every patch),
+transformers' tower and projector modules loaded alone from the checkpoint's weights; for other
+families, the checkpoint's own transformers model with its language model dropped, encoding through
+its own ``get_image_features`` (tower + projector or patch merger)."""
 
 from __future__ import annotations
 
@@ -15,26 +16,12 @@ from vision.preprocess import PreparedImage
 __all__ = ["VisionEncoder"]
 
 
-class _Projector(nn.Module):
-    """Llava's two-layer projector from vision width to the language model's width."""
-
-    def __init__(self, vision_width: int, text_width: int, act: str, bias: bool) -> None:
-        super().__init__()
-        from transformers.activations import ACT2FN
-
-        self.linear_1 = nn.Linear(vision_width, text_width, bias=bias)
-        self.act = ACT2FN[act]
-        self.linear_2 = nn.Linear(text_width, text_width, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
-
-
 class VisionEncoder:
     """Encodes a batch of prepared images into one embedding row per ``[IMG]`` token."""
 
     def __init__(self, checkpoint: Checkpoint, *, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
         from transformers import PixtralVisionModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
         config = checkpoint.config
         if checkpoint.vision_config is None:
@@ -44,16 +31,16 @@ class VisionEncoder:
         self.text_hidden_size = int(checkpoint.text_config.hidden_size)
         self.model: Any = None
         self.takes_sizes = checkpoint.vision_config.model_type == "pixtral"
-        if (config.model_type, checkpoint.vision_config.model_type) != ("llava", "pixtral"):
+        # the tower's last hidden state of every patch through the projector: what Llava's
+        # get_image_features computes then, without loading the language model's weights at all
+        towers_alone = (config.model_type, checkpoint.vision_config.model_type) == ("llava", "pixtral") and (
+            config.vision_feature_layer == -1 and config.vision_feature_select_strategy == "full"
+        )
+        if not towers_alone:
             self.model = _load_without_language_model(checkpoint, self.device, self.dtype)
             return
         self.tower = PixtralVisionModel(checkpoint.vision_config)
-        self.projector = _Projector(
-            checkpoint.vision_config.hidden_size,
-            checkpoint.text_config.hidden_size,
-            getattr(config, "projector_hidden_act", "gelu"),
-            bool(getattr(config, "multimodal_projector_bias", True)),
-        )
+        self.projector = LlavaMultiModalProjector(config)
         _load(self.tower, checkpoint.load_weights(("vision_tower.",)), "vision_tower")
         _load(self.projector, checkpoint.load_weights(("multi_modal_projector.",)), "multi_modal_projector")
         self.tower.to(self.device, self.dtype).eval()  # type: ignore[call-arg, arg-type]
