@@ -80,3 +80,30 @@ async def test_answers_about_two_images_and_text_are_transformers_own(
     assert answer.token_ids == image_answer
     assert text_result.token_ids == text_answer
     assert Checkpoint(folder).image_processor is not None
+
+
+@pytest.mark.parametrize("feature_layer", [-1, -2])
+def test_the_encoder_gives_the_models_own_image_features(
+    feature_layer: int, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The default model's layout, with the tower's last layer (the fast path) or another one."""
+    import shutil
+
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    from vision.encoder import VisionEncoder
+    from vision.preprocess import preprocess_image
+
+    config = AutoConfig.from_pretrained(checkpoint.path, vision_feature_layer=feature_layer)
+    model = LlavaForConditionalGeneration.from_pretrained(checkpoint.path, config=config).eval()
+    model.save_pretrained(tmp_path)
+    shutil.copy(checkpoint.path / "preprocessor_config.json", tmp_path / "preprocessor_config.json")
+    prepared = preprocess_image(checkpoint.image_processor, make_image(96, 64, seed=4))
+    assert prepared.pixel_values is not None
+    ours = VisionEncoder(Checkpoint(tmp_path)).encode([prepared])[0]
+    with torch.inference_mode():
+        sizes = torch.tensor([prepared.pixel_values.shape[1:]])
+        expected = model.get_image_features(pixel_values=prepared.pixel_values[None], image_sizes=sizes).pooler_output[
+            0
+        ]
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
