@@ -33,3 +33,8 @@ def image_request(urls: list[str], text: str = "Describe.", **extra: object) -> 
     content: list[dict[str, object]] = [{"type": "text", "text": text}]
     content += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     return {"messages": [{"role": "user", "content": content}], **extra}
+
+
+def make_noise_image(width: int, height: int, *, seed: int) -> Image.Image:
+    """Seeded RGB noise: it compresses badly, so its encoded bytes are as large as the format allows."""
+    return Image.frombytes("RGB", (width, height), random.Random(seed).randbytes(width * height * 3))
