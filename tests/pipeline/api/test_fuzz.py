@@ -1,11 +1,16 @@
 """Property-based fuzzing of the server from its own OpenAPI document.
 
 Bodies come from ``/openapi.json`` (``tests.openapi_strategies`` draws instances of the request
-schema, so they pass the declared types and reach the deeper checks, the stages and the engine), and from
-arbitrary JSON under the request's own field names (wrong types, odd nesting). The property: no
-500, no hang, no broken stream; every 4xx is OpenAI's error shape naming the field; every 200
-decodes as the declared response type. Bounded (a fixed number of examples, derandomized) so it
-runs in ``make test`` in seconds.
+schema, so they pass the declared types and reach the deeper checks; with a user message and no
+drawn model name they reach the stages and the engine), and from arbitrary JSON under the
+request's own field names (wrong types, odd nesting). The property: no
+500, no hang, no broken stream, no 503 (the server is running and one request at a time never fills
+it); every 4xx is OpenAI's error shape naming the field; every 200 decodes as the declared response
+type. Bounded (a fixed number of examples, derandomized) so it runs in ``make test`` in seconds.
+
+Each test counts what its examples reached (status and field), and checks after its last example
+that it reached what its name promises: a fuzzer whose bodies all die at the first check would
+pass the property while testing nothing behind it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,24 +85,57 @@ async def target() -> AsyncIterator[Target]:
         await assert_released(pipe)
 
 
-SEEN: Counter[tuple[int, str | None]] = Counter()  # (status, param or code): what the runs reached
+Reached = Counter[tuple[int, str | None, str]]  # (status, the field an error names, its code or the content type)
+_PROMISES: dict[str, Callable[[Reached], None]] = {}
 
 
-async def _check(target: Target, body: bytes, path: str = "/v1/chat/completions") -> None:
+def reaches(check: Callable[[Reached], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """What a fuzz test's examples must have reached once they have all run (``check`` asserts it)."""
+
+    def register(test: Callable[..., Any]) -> Callable[..., Any]:
+        _PROMISES[test.__name__] = check
+        return test
+
+    return register
+
+
+@pytest.fixture
+def reached(request: pytest.FixtureRequest) -> Iterator[Reached]:
+    """One fuzz test's counts, over all its examples (hypothesis runs them in one fixture scope)."""
+    counts: Reached = Counter()
+    yield counts
+    print(f"{request.function.__name__} reached {sorted(counts.items(), key=str)}")
+    _PROMISES[request.function.__name__](counts)
+
+
+def answered(counts: Reached, content_type: str | None = None) -> float:
+    """The share of the examples answered 200 (with ``content_type``, if given)."""
+    hits = sum(n for (status, _, kind), n in counts.items() if status == 200 and content_type in (None, kind))
+    return hits / max(1, counts.total())
+
+
+def fields_refused(counts: Reached) -> set[str | None]:
+    return {field for (status, field, _) in counts if 400 <= status < 500}
+
+
+async def _check(target: Target, reached: Reached, body: bytes, path: str = "/v1/chat/completions") -> None:
     headers = {"Content-Type": "application/json"}
     whole, chunk = (ChatCompletion, ChatCompletionChunk) if path == "/v1/chat/completions" else (Completion, Completion)
     with anyio.fail_after(30):  # a hang is a finding too
         async with target.session.post(f"{target.base}{path}", data=body, headers=headers) as resp:
             raw = await resp.read()
             status, content_type = resp.status, resp.content_type
-    assert status < 500 or status in (503, 504), (status, raw[:500], body[:500])
+    # a running server that is not overloaded answers no 503; a 504 is a fetch of a drawn URL timing out
+    assert status < 500 or status == 504, (status, raw[:500], body[:500])
     if status != 200:
         error = msgspec.json.decode(raw, type=ErrorResponse).error
-        SEEN[status, error.param or error.code] += 1
+        reached[status, error.param, error.code] += 1
+        if status == 504:
+            assert error.code == "deadline_exceeded", (status, error, body[:500])
         if 400 <= status < 500:
             assert error.param, (status, error, body[:500])  # every 4xx names the field
         return
-    SEEN[200, content_type] += 1
+    reached[200, None, content_type] += 1
     if content_type == "text/event-stream":
         events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]", raw[-500:]
@@ -111,10 +149,16 @@ async def _check(target: Target, body: bytes, path: str = "/v1/chat/completions"
         msgspec.json.decode(raw, type=whole)
 
 
+def _refused_deep(counts: Reached) -> None:
+    # past the declared types: the request's own checks refuse many different fields
+    assert len(fields_refused(counts)) >= 8, counts
+
+
+@reaches(_refused_deep)
 @FUZZ
 @given(body=_CHAT)
-async def test_bodies_drawn_from_the_openapi_schema(target: Target, body: dict[str, Any]) -> None:
-    await _check(target, json.dumps(body).encode())
+async def test_bodies_drawn_from_the_openapi_schema(target: Target, reached: Reached, body: dict[str, Any]) -> None:
+    await _check(target, reached, json.dumps(body).encode())
 
 
 # Left out of the plausible bodies: drawn keys are almost never token ids, and the 400 naming them
@@ -131,20 +175,33 @@ def _plausible(body: dict[str, Any], content: Any, stream: bool) -> dict[str, An
     return {**body, "messages": [{"role": "user", "content": content}], "stream": stream}
 
 
+def _answered_both_ways(counts: Reached) -> None:
+    assert answered(counts) >= 0.2, counts
+    assert answered(counts, "application/json") > 0 and answered(counts, "text/event-stream") > 0, counts
+
+
+@reaches(_answered_both_ways)
 @FUZZ
 @given(
     body=st.builds(_plausible, from_schema(COMPONENTS["ChatCompletionRequest"], COMPONENTS), _CONTENT, st.booleans())
 )
-async def test_plausible_bodies_reach_the_engine(target: Target, body: dict[str, Any]) -> None:
-    await _check(target, json.dumps(body).encode())
+async def test_plausible_bodies_reach_the_engine(target: Target, reached: Reached, body: dict[str, Any]) -> None:
+    await _check(target, reached, json.dumps(body).encode())
 
 
+def _completions_answered(counts: Reached) -> None:
+    assert answered(counts) >= 0.1, counts
+
+
+@reaches(_completions_answered)
 @FUZZ
 @given(body=from_schema(COMPONENTS["CompletionRequest"], COMPONENTS))
-async def test_completion_bodies_drawn_from_the_openapi_schema(target: Target, body: dict[str, Any]) -> None:
+async def test_completion_bodies_drawn_from_the_openapi_schema(
+    target: Target, reached: Reached, body: dict[str, Any]
+) -> None:
     body.pop("logit_bias", None)  # as above: drawn keys (and model names, a 404) would hide the rest
     body.pop("model", None)
-    await _check(target, json.dumps(body).encode(), "/v1/completions")
+    await _check(target, reached, json.dumps(body).encode(), "/v1/completions")
 
 
 _JSON = ANY_JSON
@@ -159,10 +216,16 @@ _MESSAGES = st.lists(
 )
 
 
+def _each_wrong_value_named(counts: Reached) -> None:
+    # the refusals name many different fields, the unknown one among them
+    assert len(fields_refused(counts)) >= 8 and "extra" in fields_refused(counts), counts
+
+
+@reaches(_each_wrong_value_named)
 @FUZZ
 @given(
     body=st.fixed_dictionaries({"messages": _MESSAGES}, optional=dict.fromkeys(_FIELDS, _JSON))
     | _JSON.map(lambda value: {"messages": [{"role": "user", "content": "x"}], "extra": value})
 )
-async def test_wrong_values_under_the_declared_names(target: Target, body: dict[str, Any]) -> None:
-    await _check(target, json.dumps(body).encode())
+async def test_wrong_values_under_the_declared_names(target: Target, reached: Reached, body: dict[str, Any]) -> None:
+    await _check(target, reached, json.dumps(body).encode())
