@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeline import PipelineConfig
 from pipeline.api.auth import API_KEY_ENV, api_key_refusal, resolve_api_key
+from pipeline.api.openapi import openapi_json
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
 from tests.rawhttp import exchange, request_bytes
@@ -17,6 +19,30 @@ from tests.servers import serving
 
 KEY = "sk-test-0123456789"
 MESSAGES = [{"role": "user", "content": "x"}]
+
+
+async def assert_probes_answer(session: aiohttp.ClientSession, base: str, pipe: Pipeline, **headers: str) -> None:
+    """/health, /metrics and /openapi.json answer 200 with what the pipeline says (it is idle)."""
+    async with session.get(f"{base}/health", headers=headers) as resp:
+        assert (resp.status, resp.content_type) == (200, "application/json")
+        assert await resp.json() == pipe.health() and pipe.health()["status"] == "ok"
+    async with session.get(f"{base}/metrics", headers=headers) as resp:
+        assert (resp.status, resp.headers["Content-Type"]) == (200, CONTENT_TYPE_LATEST)
+        assert await resp.read() == pipe.render_metrics()
+    async with session.get(f"{base}/openapi.json", headers=headers) as resp:
+        assert (resp.status, resp.content_type) == (200, "application/json")
+        assert await resp.read() == openapi_json()
+
+
+async def assert_refused(resp: aiohttp.ClientResponse) -> None:
+    """A 401 in OpenAI's shape, naming the header."""
+    assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+    error = (await resp.json())["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "invalid_api_key",
+        "Authorization",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,25 +73,16 @@ async def test_v1_needs_the_key_in_openai_shape(pipe: Pipeline) -> None:
                 await wrong.models.list()
         async with aiohttp.ClientSession() as session:
             async with session.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES}) as resp:
-                assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
-                error = (await resp.json())["error"]
-                assert (error["type"], error["code"], error["param"]) == (
-                    "invalid_request_error",
-                    "invalid_api_key",
-                    "Authorization",
-                )
-            for path in ("/health", "/metrics", "/openapi.json"):
-                async with session.get(f"{base}{path}") as resp:
-                    assert resp.status != 401, path
+                await assert_refused(resp)
+            await assert_probes_answer(session, base, pipe)
 
 
 async def test_probes_can_be_protected_too(pipe: Pipeline) -> None:
     async with serving(create_app(pipe, api_key=KEY, protect_all=True)) as base, aiohttp.ClientSession() as session:
-        for path in ("/health", "/metrics"):
+        for path in ("/health", "/metrics", "/openapi.json"):
             async with session.get(f"{base}{path}") as resp:
-                assert resp.status == 401
-            async with session.get(f"{base}{path}", headers={"Authorization": f"Bearer {KEY}"}) as resp:
-                assert resp.status == 200
+                await assert_refused(resp)
+        await assert_probes_answer(session, base, pipe, Authorization=f"Bearer {KEY}")
 
 
 def test_the_key_comes_from_the_command_line_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
