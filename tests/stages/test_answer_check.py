@@ -208,8 +208,9 @@ def test_choice() -> None:
     assert check.check("no") is None
     assert check.check("no ") is not None
     assert check.check("No") is not None
-    with pytest.raises(GrammarError):
-        build_answer_check(GrammarSpec("choice", ["yes", 1]))
+    with pytest.raises(GrammarError) as info:
+        build_answer_check(GrammarSpec("choice", ["yes", 1], field="guided_choice"))
+    assert info.type is GrammarError and info.value.field == "guided_choice"
 
 
 def test_grammar_uses_the_acceptor(compiler: xgr.GrammarCompiler) -> None:

@@ -89,7 +89,8 @@ async def test_errors_of_the_transform_are_bound_to_the_stage() -> None:
     stage = DecodeStage(transform=refuse)
     with pytest.raises(InvalidRequest) as info:
         await stage.run(encode(make_image(8, 8), "PNG"), field=FIELD)
-    assert info.value.stage == "decode" and stage.limiter.borrowed_tokens == 0
+    assert info.type is InvalidRequest and (info.value.field, info.value.stage) == (FIELD, "decode")
+    assert stage.limiter.borrowed_tokens == 0
 
 
 async def test_at_most_decode_threads_decodes_at_once() -> None:

@@ -156,11 +156,13 @@ async def test_cache_hit_returns_the_same_constraint_without_compiling(stage: Gr
     assert again is first
     assert (stage.stats.hits, stage.stats.misses) == (1, 1)
     bad = GrammarSpec("regex", "(?=x)", field="regex")
-    with pytest.raises(GrammarError):
+    with pytest.raises(GrammarError) as first_error:
         await stage.compile(bad)
+    assert first_error.type is GrammarError and first_error.value.field == "regex"
     errors = stage.stats.errors
-    with pytest.raises(GrammarError):  # a cached failure fails the same way, without compiling
+    with pytest.raises(GrammarError) as cached:  # a cached failure fails the same way, without compiling
         await stage.compile(bad)
+    assert (cached.type, cached.value.field, cached.value.message) == (GrammarError, "regex", first_error.value.message)
     assert stage.stats.errors == errors and stage.stats.hits == 2
 
 
@@ -253,8 +255,11 @@ async def test_busy_xgrammar_slots_do_not_starve_cheap_specs(grammar_compilers: 
             assert stage.limiter.borrowed_tokens == 2
             cheap = await stage.compile(GrammarSpec("json_schema", SCHEMA))
             assert cheap.backend == "llguidance" and cheap.reason == "xgrammar compile slots busy"
-            with pytest.raises(GrammarError):
-                await stage.compile(GrammarSpec("json_schema", {"type": "array", "minItems": 3, "maxItems": 1}))
+            empty = {"type": "array", "minItems": 3, "maxItems": 1}
+            impossible = GrammarSpec("json_schema", empty, field="guided_json")
+            with pytest.raises(GrammarError) as info:
+                await stage.compile(impossible)
+            assert info.type is GrammarError and info.value.field == "guided_json"
             gate.set()
     assert sum(xgrammar.calls.values()) == 2
 

@@ -55,7 +55,7 @@ async def test_placeholder_count_must_match(stage: TemplateStage) -> None:
     request = parse_chat_request({"messages": [{"role": "user", "content": "sneaky [IMG] text"}]})
     with pytest.raises(InvalidRequest) as info:
         await stage.run(request.messages, [])
-    assert info.value.field == "messages"
+    assert info.type is InvalidRequest and info.value.field == "messages"
     assert stage.limiter.borrowed_tokens == 0
 
 
@@ -89,4 +89,4 @@ async def test_raw_prompts_skip_the_template(stage: TemplateStage, hf_tokenizer:
     assert await stage.run((), [], prompt="") == [1]  # never an empty prompt
     with pytest.raises(InvalidRequest) as info:
         await stage.run((), [], prompt=[1, 10**9])
-    assert info.value.field == "prompt"
+    assert info.type is InvalidRequest and info.value.field == "prompt"

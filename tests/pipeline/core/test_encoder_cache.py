@@ -12,6 +12,7 @@ import torch
 
 from pipeline import PipelineConfig
 from pipeline.core.pipeline import Pipeline
+from pipeline.errors import ImageDecodeError
 from stages.content_hash import content_hash
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
@@ -96,8 +97,9 @@ async def test_a_failed_owner_leaves_no_flight(pipe: Pipeline) -> None:
     cache = pipe.preparation.encoder_cache
     assert cache is not None
     broken = data_url(b"not an image at all")
-    with pytest.raises(Exception, match="image"):
+    with pytest.raises(ImageDecodeError) as info:
         await pipe.prepare(image_request([broken]))
+    assert (info.value.field, info.value.stage) == ("messages[0].content[1].image_url.url", "decode")
     assert cache.num_flights == 0
     await assert_released(pipe)
 

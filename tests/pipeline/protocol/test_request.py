@@ -159,7 +159,7 @@ def test_bad_input_names_the_field(bad: Any, field: str) -> None:
     for given in (bad, *as_json):
         with pytest.raises(InvalidRequest) as info:
             parse_chat_request(given, max_images=8)
-        assert info.value.status == 400
+        assert info.type is InvalidRequest and info.value.status == 400
         assert info.value.field == field
         assert info.value.stage == "admission"
 
@@ -220,4 +220,5 @@ def test_an_unknown_field_set_to_null_is_refused() -> None:
 def test_unknown_fields_use_openais_wording() -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_chat_request(json.dumps(body(best_of=2)).encode())
+    assert info.type is InvalidRequest and info.value.field == "best_of"
     assert info.value.message == "Unrecognized request argument supplied: best_of"

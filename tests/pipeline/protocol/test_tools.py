@@ -72,7 +72,7 @@ def test_plans_per_tool_choice() -> None:
 def test_bad_tool_requests_name_the_field(fields: dict[str, Any], other: bool, where: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         plan_tools(body(**fields), other)
-    assert caught.value.field == where
+    assert caught.type is InvalidRequest and caught.value.field == where
 
 
 def test_call_ids_fit_the_template() -> None:
