@@ -113,8 +113,9 @@ class Ingress:
         if allowed is None:
             return _error(RouteNotFound(f"no route {request.method} {path}"))
         if method != allowed:
-            response = _error(MethodNotAllowed(f"{request.method} is not allowed on {path} (allowed: {allowed})"))
-            response.headers["Allow"] = allowed
+            methods = "GET,HEAD" if allowed == "GET" else allowed  # HEAD is GET without the body, as in aiohttp
+            response = _error(MethodNotAllowed(f"{request.method} is not allowed on {path} (allowed: {methods})"))
+            response.headers["Allow"] = methods
             return response
         if path == "/openapi.json":
             return _to_response(Reply(200, openapi_json()))
