@@ -16,8 +16,14 @@ Seen from the stage it behaves like the thread pool it replaces:
 - Image bytes and tensors cross through two shared-memory slabs per worker (``vision/slab.py``);
   nothing is ever written to ``/dev/shm``.
 
-Workers start on first use (a text-only pipeline never starts one) or with ``warm()``; ``aclose()``
-stops them. The kernel kills them if the serving process dies (see the worker's docstring).
+Workers start with ``start_all()`` (the pipeline's start waits for them), or on first use after a
+crash; ``aclose()`` stops them. The kernel kills them if the serving process dies (see the worker's
+docstring).
+
+A worker is a fresh interpreter that imports only ``vision.image_worker`` (``_launch``), not
+a ``multiprocessing`` spawn: spawn runs the parent's main script again in each child, so a user's
+script without ``if __name__ == "__main__":`` would start its own pipeline inside every worker
+(which then died while starting).
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
@@ -46,7 +53,7 @@ from pipeline.errors import (
     PipelineError,
     WorkerCrashed,
 )
-from vision.image_worker import ImageReply, ImageWorkerSpec, worker_main
+from vision.image_worker import ImageReply, ImageWorkerSpec
 from vision.preprocess import PreparedImage
 from vision.slab import Slab
 
@@ -57,6 +64,16 @@ _COPY_IN_THREAD_BYTES = 1 << 20  # memcpy of more than this (~0.1 ms per MB) lea
 _ERRORS: dict[str, type[PipelineError]] = {
     cls.__name__: cls for cls in (PipelineError, InvalidRequest, ImageDecodeError, PayloadTooLarge)
 }
+
+
+# the child's sys.path is the parent's (argv[2:]), as multiprocessing would set it, before any import
+_BOOTSTRAP = "import sys; sys.path[:] = sys.argv[2:]; from vision.image_worker import main; main(int(sys.argv[1]))"
+
+
+def _launch(fd: int) -> subprocess.Popen[bytes]:
+    """Start a worker whose end of the pipe is descriptor ``fd``."""
+    command = [sys.executable, "-c", _BOOTSTRAP, str(fd), *sys.path]
+    return subprocess.Popen(command, pass_fds=(fd,), stdin=subprocess.DEVNULL)
 
 
 @dataclass
@@ -76,13 +93,13 @@ class _Worker:
         self.spec = spec
         self.inbox = Slab.create(f"prep-input-{index}", inbox_bytes)  # outlives restarts of the process
         self.outbox: Slab | None = None
-        self.process: BaseProcess | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.lock = anyio.Lock()
 
     @property
     def is_alive(self) -> bool:
-        return self.process is not None and self.conn is not None and self.process.is_alive()
+        return self.process is not None and self.conn is not None and self.process.poll() is None
 
     @property
     def pid(self) -> int | None:
@@ -104,33 +121,32 @@ class _Worker:
 
     async def start(self, start_timeout_s: float) -> None:
         """Start the process and wait until it has loaded its model parts."""
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
+        parent, child = multiprocessing.Pipe(duplex=True)
         # started from the event loop's thread on purpose (~10 ms, at start and after a crash):
         # the parent-death signal follows the thread that started the process, and the loop's
         # thread lives as long as the pipeline
-        process = ctx.Process(
-            target=worker_main, args=(child, os.getpid(), self.spec), name=f"prep-worker-{self.index}", daemon=True
-        )
-        process.start()
-        child.close()
+        try:
+            process = _launch(child.fileno())
+        finally:
+            child.close()
         self.process, self.conn = process, parent
         try:
+            parent.send((os.getpid(), self.spec))
             send_handle(parent, self.inbox.fd, process.pid)
             with anyio.fail_after(start_timeout_s):
                 message = await self.receive()
             if message[0] != "ready":
                 raise WorkerCrashed(f"a preparation worker could not start: {message[1]}", stage="decode")
             self.outbox = await self.receive_slab()
-        except (EOFError, OSError) as exc:  # it died while starting
-            self.stop(kill=True)
-            raise WorkerCrashed(f"a preparation worker died while starting ({exc!r})", stage="decode") from None
-        except TimeoutError:
-            self.stop(kill=True)
-            message = f"a preparation worker did not start in {start_timeout_s:g} s"
-            raise WorkerCrashed(message, stage="decode") from None
-        except BaseException:
-            self.stop(kill=True)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                self.stop(kill=True)
+                await anyio.to_thread.run_sync(self.reap, 5.0)
+            if isinstance(exc, EOFError | OSError):  # it died while starting
+                raise WorkerCrashed(f"a preparation worker died while starting ({exc!r})", stage="decode") from None
+            if isinstance(exc, TimeoutError):
+                message = f"a preparation worker did not start in {start_timeout_s:g} s"
+                raise WorkerCrashed(message, stage="decode") from None
             raise
 
     def stop(self, *, kill: bool = False) -> None:
@@ -140,7 +156,7 @@ class _Worker:
                 self.conn.send(("stop",))
             except OSError:
                 kill = True
-        if self.process is not None and kill and self.process.is_alive():
+        if self.process is not None and kill and self.process.poll() is None:
             self.process.kill()
         if self.conn is not None:
             self.conn.close()
@@ -153,15 +169,13 @@ class _Worker:
         process, self.process = self.process, None
         if process is None:
             return None
-        process.join(timeout_s)
-        if process.is_alive():
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
             process.kill()
-            # SIGKILL cannot be refused, but a process in uninterruptible I/O (a loaded machine paging
-            # torch in) dies only when the I/O ends: wait for it, or close() below raises ValueError
-            process.join()
-        code = process.exitcode
-        process.close()
-        return code
+        # SIGKILL cannot be refused, but a process in uninterruptible I/O (a loaded machine paging
+        # torch in) dies only when the I/O ends: wait for it
+        return process.wait()
 
 
 class ImagePool:
@@ -194,11 +208,6 @@ class ImagePool:
     def attach(self, tg: TaskGroup) -> None:
         """Where workers found dead are started again in the background."""
         self._tg = tg
-
-    def warm(self) -> None:
-        """Start every worker in the background, so the first requests do not wait for one."""
-        for worker in self._workers:
-            self._restart_soon(worker)
 
     async def start_all(self) -> None:
         """Start every worker now; returns when each has started (or failed to: that one is logged,

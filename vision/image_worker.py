@@ -7,7 +7,7 @@ kernel gives the cores to those first. The parent's side is ``stages/process_poo
 Protocol over one duplex pipe (a Unix socket), one job at a time:
 
     parent                                   worker
-    start(spec) ─────────────────────────▶   nice, parent-death signal, load the task
+    (parent pid, spec) ──────────────────▶   nice, parent-death signal, load the task
     input slab fd (SCM_RIGHTS) ──────────▶
                                         ◀──  ("ready", pid) + output slab fd
     image bytes into the input slab
@@ -16,7 +16,9 @@ Protocol over one duplex pipe (a Unix socket), one job at a time:
                                         ◀──  or ("error", kind, message, field)
     ("stop",) ───────────────────────────▶   exits
 
-The worker exits when the pipe closes, and the kernel kills it when the serving process dies
+The worker is its own interpreter, started as ``python -c`` with ``main`` (``stages/process_pool.py``
+says why not a ``multiprocessing`` spawn): it reads the serving process's pid and the spec from the
+pipe first. It exits when the pipe closes, and the kernel kills it when the serving process dies
 (``PR_SET_PDEATHSIG``), so it is never left behind.
 """
 
@@ -39,7 +41,7 @@ import torch
 from pipeline.errors import PipelineError
 from vision.slab import Slab
 
-__all__ = ["ImageReply", "ImageTask", "ImageWorkerSpec", "worker_main"]
+__all__ = ["ImageReply", "ImageTask", "ImageWorkerSpec", "main", "worker_main"]
 
 ImageFn = Callable[[bytes, str], tuple[torch.Tensor, int, int, bool]]
 _PR_SET_PDEATHSIG = 1
@@ -114,6 +116,14 @@ def _die_with_parent(parent_pid: int) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:
         os._exit(0)
+
+
+def main(fd: int) -> None:
+    """A worker process's entry point: ``fd`` is its end of the pipe; the parent's pid and the spec
+    come first on it."""
+    conn = Connection(fd)
+    parent_pid, spec = conn.recv()
+    worker_main(conn, parent_pid, spec)
 
 
 def worker_main(conn: Connection, parent_pid: int, spec: ImageWorkerSpec) -> None:

@@ -47,7 +47,7 @@ async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
             # serve starts its two workers at once; each lowers its priority first thing once running
             while len(workers) < 2 or any(_nice(pid) != lowest for pid in workers):
                 await anyio.sleep(0.05)  # noqa: sleep-ok: polls /proc; another process's children give no event
-                workers = [pid for pid in _children(process.pid) if "multiprocessing.spawn" in _cmdline(pid)]
+                workers = [pid for pid in _children(process.pid) if "vision.image_worker" in _cmdline(pid)]
         process.send_signal(ending)
         with anyio.fail_after(60):
             code = await process.wait()

@@ -228,7 +228,8 @@ async def test_workers_die_with_the_serving_process(checkpoint: Checkpoint) -> N
             for pid in pids:
                 await wait_gone(pid)
     finally:
-        process.kill()
+        if process.returncode is None:
+            process.kill()
         await process.aclose()
 
 
@@ -250,3 +251,39 @@ async def test_the_pool_runs_on_uvloop(checkpoint: Checkpoint, pool_factory: Any
             big = await pool.run(b"big", field="f")
             assert big.embeds is not None and big.embeds.numel() == 4 * 1024 * 1024
     assert [pool.stats.crashes for pool in pools] == [0, 0, 0]
+
+
+async def test_a_script_without_a_main_guard_can_start_workers(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """A user's script run as a file, with no ``if __name__ == "__main__":``: a worker started the
+    way multiprocessing's spawn starts one would run the whole script again, then die trying to
+    start workers of its own while it bootstraps. Ours run only their own code."""
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import anyio
+            from stages.process_pool import ImagePool
+            from vision.image_worker import ImageWorkerSpec
+
+            print("the script ran", flush=True)  # once: in this process, never in a worker
+
+            async def main():
+                spec = ImageWorkerSpec({str(checkpoint.path)!r}, 1000, None, True, task={SCRIPTED!r})
+                async with anyio.create_task_group() as tg:
+                    pool = ImagePool(spec, size=1, max_image_bytes=1024)
+                    pool.attach(tg)
+                    await pool.start_all()
+                    result = await pool.run(b"abc", field="f")
+                    print("result", result.embeds.tolist(), flush=True)
+                    await pool.aclose()
+
+            anyio.run(main)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with anyio.fail_after(120):
+        done = await anyio.run_process([sys.executable, str(script)], cwd=tmp_path, env=env, check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, (out, done.stderr.decode()[-3000:])
+    assert out.splitlines() == ["the script ran", f"result {[[3.0] * 3] * 2}"], out
