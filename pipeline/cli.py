@@ -122,7 +122,6 @@ async def serve(args: argparse.Namespace) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
-        pipe.preparation.warm()  # start the preparation workers now, not on the first image
         app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
         async with listen(app, args.host, args.port, limits) as listener:
             port = listener.port

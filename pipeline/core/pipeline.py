@@ -157,6 +157,8 @@ class Pipeline:
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tg.cancel_scope.cancel)
             self._preparation.start(self._tg)
+            # the preparation workers are up before the first request: it would wait seconds for them
+            await self._preparation.start_workers()
         except BaseException:
             await self._close()
             raise

@@ -94,11 +94,6 @@ class Preparation:
         self.stages = self._build_stages()
         self._tg: TaskGroup | None = None
 
-    def warm(self) -> None:
-        """Start the preparation workers now (else on the first image), in the background."""
-        if self.pool is not None:
-            self.pool.warm()
-
     async def start_workers(self) -> None:
         """Start the preparation workers and wait until they are ready (a no-op in thread mode)."""
         if self.pool is not None:

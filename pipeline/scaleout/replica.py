@@ -49,10 +49,9 @@ class PipelineReplica:
         from pipeline.api.routes import Api
         from pipeline.core.pipeline import Pipeline
 
+        # Serve routes to a replica once its constructor returns: by then its workers are up (a
+        # started pipeline's are), so a replacement does not make its first requests wait for them
         async with Pipeline(config) as pipe:
-            # Serve routes to a replica once its constructor returns: by then its workers are up,
-            # so a replacement does not make its first requests wait for them
-            await pipe.preparation.start_workers()
             self.pipe, self.api = pipe, Api(pipe)
             ready.set()
             await self._stop.wait()

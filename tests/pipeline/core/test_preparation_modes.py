@@ -1,6 +1,9 @@
-"""Preparation in worker processes and in threads gives the same requests the same answers."""
+"""Preparation in worker processes and in threads gives the same requests the same answers; the
+workers of process mode are up once the pipeline has started."""
 
 from __future__ import annotations
+
+import os
 
 import anyio
 
@@ -18,6 +21,14 @@ async def _answers(mode: str) -> tuple[list[list[int]], list[int]]:
         image_request([images[1]], max_tokens=6, temperature=0.9, seed=7),
     ]
     async with Pipeline(config) as pipe:
+        pool = pipe.preparation.pool
+        if mode == "process":  # the workers are up once the pipeline is: no request waits for one
+            assert pool is not None and (pool.stats.starts, pool.stats.jobs) == (config.num_prep_workers(), 0)
+            assert len(pool.pids()) == config.num_prep_workers()
+            for pid in pool.pids():
+                os.kill(pid, 0)  # a running process: raises ProcessLookupError otherwise
+        else:
+            assert pool is None
         with anyio.fail_after(120):
             results = [await (await pipe.submit(b)).result() for b in bodies]
         prompt_lengths = [r.prompt_tokens for r in results]
