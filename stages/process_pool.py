@@ -142,11 +142,11 @@ class _Worker:
             with anyio.CancelScope(shield=True):
                 self.stop(kill=True)
                 await anyio.to_thread.run_sync(self.reap, 5.0)
-            if isinstance(exc, EOFError | OSError):  # it died while starting
-                raise WorkerCrashed(f"a preparation worker died while starting ({exc!r})", stage="decode") from None
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError):  # an OSError too: first
                 message = f"a preparation worker did not start in {start_timeout_s:g} s"
                 raise WorkerCrashed(message, stage="decode") from None
+            if isinstance(exc, EOFError | OSError):  # it died while starting
+                raise WorkerCrashed(f"a preparation worker died while starting ({exc!r})", stage="decode") from None
             raise
 
     def stop(self, *, kill: bool = False) -> None:
