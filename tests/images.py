@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import random
+import struct
+import zlib
 
 from PIL import Image
 
@@ -38,3 +40,15 @@ def image_request(urls: list[str], text: str = "Describe.", **extra: object) -> 
 def make_noise_image(width: int, height: int, *, seed: int) -> Image.Image:
     """Seeded RGB noise: it compresses badly, so its encoded bytes are as large as the format allows."""
     return Image.frombytes("RGB", (width, height), random.Random(seed).randbytes(width * height * 3))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that claims ``width`` x ``height`` pixels with one row of data: what a pixel cap
+    refuses from the header alone, built in microseconds (a real 20,000 x 20,000 one is 1.2 GB)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    row = b"\0" + b"\0" * (width * 3)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(row * 4, 9)) + chunk(b"IEND", b"")

@@ -86,13 +86,21 @@ def _config(**changes: Any) -> PipelineConfig:
     return replace(config, **changes)
 
 
-@pytest.fixture(params=["process", "thread"])
-async def pipe(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
-    async with Pipeline(_config(preparation_mode=request.param)) as p:
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    """Preparation in worker processes (the default), each running the real job except that an
+    image 48 pixels wide kills its worker, as a codec crash would. One pipeline for the module:
+    tests read counters as differences."""
+    async with Pipeline(_config(prep_worker_task="tests.stages.pool_tasks:crash_on_width_48")) as p:
         yield p
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 async def thread_pipe() -> AsyncIterator[Pipeline]:
     """Preparation in this process's threads, where a test can patch the vision encoder."""
     async with Pipeline(_config(preparation_mode="thread")) as p:
@@ -209,16 +217,24 @@ async def test_engine_step_raising_for_one_sequence(
     await assert_released(pipe)
 
 
-async def test_a_worker_crash_fails_only_that_image_and_the_pool_recovers(caplog: pytest.LogCaptureFixture) -> None:
-    config = _config(preparation_mode="process", prep_worker_task="tests.stages.pool_tasks:crash_on_width_48")
+async def test_a_worker_crash_fails_only_that_image_and_the_pool_recovers(
+    pipe: Pipeline, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = pipe.preparation.pool
+    assert pool is not None
+    crashes = pool.stats.crashes
     widths = [32, 48, 64]
-    bodies = [image_request([data_url(encode(make_image(w, 32, seed=w)))], max_tokens=2) for w in widths]
-    async with Pipeline(config) as pipe:
-        with anyio.fail_after(120):
-            results = await _outcomes(pipe, bodies)
-            again = await _outcomes(pipe, [bodies[0], bodies[2]])
-        await assert_released(pipe)
-        assert pipe.preparation.pool is not None and pipe.preparation.pool.stats.crashes == 1
+
+    def body(width: int, seed: int) -> dict[str, Any]:
+        return image_request([data_url(encode(make_image(width, 32, seed=seed)))], max_tokens=2)
+
+    with anyio.fail_after(120):
+        results = await _outcomes(pipe, [body(w, w) for w in widths])
+        jobs = pool.stats.jobs
+        again = await _outcomes(pipe, [body(32, 1), body(64, 1)])  # new images: no encoder cache hit
+    assert pool.stats.jobs == jobs + 2
+    await assert_released(pipe)
+    assert pool.stats.crashes == crashes + 1
     assert [r.completion_tokens for r in (results[0], results[2], *again)] == [2, 2, 2, 2]
     assert isinstance(results[1], WorkerCrashed) and results[1].status == 500
     assert results[1].stage == "decode" and results[1].field == "messages[0].content[1].image_url.url"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline import PipelineConfig
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
-from tests.images import data_url, encode, make_image
+from tests.images import data_url, encode, make_image, png_header
 from tests.released import assert_released
 from tests.servers import serving
 
@@ -38,8 +38,14 @@ class Served:
     image_url: str
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
 async def served() -> AsyncIterator[Served]:
+    """One server for the module: tests read counters as differences, never as totals."""
     images = web.Application()
 
     async def image(_: web.Request) -> web.Response:
@@ -145,7 +151,7 @@ async def test_bad_requests_arrive_as_typed_client_errors(
 
 
 async def test_too_large_image_is_413(served: Served) -> None:
-    big = encode(make_image(8000, 6000, seed=1), "PNG", compress_level=1)
+    big = png_header(8000, 6000)  # 48 megapixels claimed by the header: refused before decoding
     with pytest.raises(openai.APIStatusError) as info:
         await served.client.chat.completions.create(model="m", messages=user(image_part(data_url(big))))  # type: ignore[arg-type]
     assert info.value.status_code == 413
@@ -153,6 +159,7 @@ async def test_too_large_image_is_413(served: Served) -> None:
 
 async def test_abandoned_stream_frees_its_capacity(served: Served) -> None:
     body = {"messages": user("go"), "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    cancelled = served.pipe.metrics.requests["cancelled"]
     with anyio.fail_after(30):
         async with aiohttp.ClientSession() as session:
             async with session.post(f"{served.base}/v1/chat/completions", json=body) as resp:
@@ -161,21 +168,33 @@ async def test_abandoned_stream_frees_its_capacity(served: Served) -> None:
                 assert first.startswith(b"data: ")
                 resp.close()  # the client goes away mid-stream
         await assert_released(served.pipe)
-    assert served.pipe.metrics.requests["cancelled"] == 1
+    assert served.pipe.metrics.requests["cancelled"] == cancelled + 1
 
 
-async def test_metrics_are_prometheus_text(served: Served) -> None:
-    await served.client.chat.completions.create(model="m", messages=user("x"), max_tokens=2)  # type: ignore[arg-type]
+async def scrape(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{served.base}/metrics") as resp:
             text = await resp.text()
-    samples = {
+    return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-    assert samples[("pipeline_stage_latency_seconds_count", (("stage", "template"),))] == 1
-    assert samples[("pipeline_tokens_generated_total", ())] == 2
+
+
+async def test_metrics_are_prometheus_text(served: Served) -> None:
+    templated = ("pipeline_stage_latency_seconds_count", (("stage", "template"),))
+    generated = ("pipeline_tokens_generated_total", ())
+    before = await scrape(served)
+    await served.client.chat.completions.create(
+        model="m",
+        messages=user("x"),  # type: ignore[arg-type]
+        max_tokens=2,
+        extra_body={"ignore_eos": True},
+    )
+    after = await scrape(served)
+    assert after[templated] - before.get(templated, 0) == 1
+    assert after[generated] - before.get(generated, 0) == 2
 
 
 # Three distinct items out of two values: the grammar holds the enum and the length, only the answer

@@ -23,8 +23,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="module")
+async def uncached() -> AsyncIterator[Pipeline]:
+    """The reference both modes' cached embeddings are compared with."""
+    async with Pipeline(PipelineConfig(encoder_cache_bytes=0), with_engine=False) as p:
+        yield p
+
+
 @pytest.fixture(scope="module", params=["process", "thread"])
-async def pipe(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
+async def pipe(request: pytest.FixtureRequest, uncached: Pipeline) -> AsyncIterator[Pipeline]:
+    """The encoder runs in a preparation worker or in this process: the cache sits in front of both.
+    Asks for ``uncached`` so that pipeline starts first and stops last: pipelines are task groups,
+    and task groups end in the reverse order they began."""
     async with Pipeline(PipelineConfig(preparation_mode=request.param), with_engine=False) as p:
         yield p
 
@@ -80,12 +90,11 @@ async def test_concurrent_identical_images_encode_once(pipe: Pipeline) -> None:
     await assert_released(pipe)
 
 
-async def test_embeddings_are_those_of_an_uncached_pipeline(pipe: Pipeline) -> None:
+async def test_embeddings_are_those_of_an_uncached_pipeline(pipe: Pipeline, uncached: Pipeline) -> None:
     url, _ = image(104)
     cached = [await pipe.prepare(image_request([url])) for _ in range(2)]
-    async with Pipeline(PipelineConfig(encoder_cache_bytes=0), with_engine=False) as uncached:
-        assert uncached.preparation.encoder_cache is None
-        plain = await uncached.prepare(image_request([url]))
+    assert uncached.preparation.encoder_cache is None
+    plain = await uncached.prepare(image_request([url]))
     for inp in cached:
         assert inp.prompt_token_ids == plain.prompt_token_ids
         assert inp.image_embeds is not None and plain.image_embeds is not None
@@ -109,7 +118,8 @@ async def test_the_trace_carries_each_image_hash(tmp_path: Path) -> None:
 
     tracer = Tracer()
     data = encode(make_image(80, 48, seed=105))
-    async with Pipeline(PipelineConfig(), with_engine=False, tracer=tracer) as traced:
+    # the hashes are taken in this process whichever the mode: threads start no worker
+    async with Pipeline(PipelineConfig(preparation_mode="thread"), with_engine=False, tracer=tracer) as traced:
         await traced.prepare(image_request([data_url(data), data_url(data)]))
     tracer.write(tmp_path / "trace.json")
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
