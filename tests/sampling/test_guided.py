@@ -1,4 +1,5 @@
-"""Guided decoding: regex, choice and EBNF outputs match; JSON outputs validate, n > 1 and the corpus."""
+"""Guided decoding: regex, choice and EBNF outputs match; JSON outputs validate, n > 1 and the corpus
+(its one decode run in the suite)."""
 
 from __future__ import annotations
 
@@ -74,15 +75,34 @@ def test_n4_guided_json_outputs_each_validate(
     assert len(set(texts)) == 4  # each sequence has its own matcher and generator
 
 
+def independent_violation(text: str, schema: Any) -> str | None:
+    """Why an independent validator (jsonschema, with formats) refuses ``text``; None when it accepts.
+    A schema it cannot read is a refusal too: then nothing has checked the answer a second time."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"not JSON ({exc})"
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return f"a schema jsonschema cannot read ({exc.message})"
+    error = jsonschema.exceptions.best_match(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value))
+    return None if error is None else f"{error.json_path}: {error.message}"
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # about 60 s alone; a loaded machine can take several times that
+@pytest.mark.timeout(900)  # the one guard: about 60 s alone; a loaded machine can take several times that
 def test_corpus_grammars_of_both_backends_decode_in_one_batch(
     schema_corpus: list[CorpusEntry], new_engine: NewEngine, hf_tokenizer: Any
 ) -> None:
-    """Every JSONSchemaBench schema that compiles (strict, no free whitespace, each by the backend the
-    dispatch picked: xgrammar and llguidance matchers share the batches) runs greedily through one
-    engine. The grammar alone is not trusted: an output that stops is counted valid or invalid by
-    the answer check, and every invalid one must be a keyword the grammar of its backend ignores."""
+    """The corpus's one decode run. Every JSONSchemaBench schema that compiles (strict, no free
+    whitespace, each by the backend the dispatch picked, as a request's: xgrammar and llguidance
+    matchers share the batches) runs greedily through one engine. The grammar alone is not trusted:
+    an output that stops is checked by the answer check, as the pipeline checks every answer before
+    it leaves. Every answer it fails must be a keyword the grammar of its backend ignores; every
+    answer it passes (what the pipeline serves) must satisfy an independent validator too."""
+    assert len(schema_corpus) == 220
     compiled = [e for e in schema_corpus if e.constraint is not None]
     engine = new_engine(max_running=CORPUS_BATCH)
     ids = prompt(hf_tokenizer, "Answer in JSON.")
@@ -91,16 +111,21 @@ def test_corpus_grammars_of_both_backends_decode_in_one_batch(
     outputs = run_all(engine, max_steps=100_000)
     counts: Counter[str] = Counter()
     caught: Counter[str] = Counter()
+    invalid: list[str] = []
     for entry in compiled:
         out = outputs[(entry.name, 0)]
         assert entry.constraint is not None
         backend = entry.constraint.backend
         counts[f"{backend} {out.finish_reason}"] += 1
-        if out.finish_reason == "stop":
-            violation = entry.constraint.check.check(out.text)
-            if violation is not None:
-                caught[f"{backend} {violation.reason}"] += 1
+        if out.finish_reason != "stop":
+            continue
+        violation = entry.constraint.check.check(out.text)
+        if violation is not None:
+            caught[f"{backend} {violation.reason}"] += 1
+        elif (why := independent_violation(out.text, entry.schema)) is not None:
+            invalid.append(f"{entry.name} ({backend}): {why}; {out.text[:200]}")
     print(f"\nguided corpus in the engine: {dict(sorted(counts.items()))}; caught by the answer check {dict(caught)}")
+    assert not invalid, invalid  # an answer the pipeline would have served is invalid
     assert len(compiled) >= 210
     assert not [k for k in counts if k.endswith(("error", "None"))], counts
     assert {k.split()[0] for k in counts} == {"xgrammar", "llguidance"}
