@@ -32,9 +32,23 @@ def compiler(tokenizer_info: Any) -> xgr.GrammarCompiler:
     return xgr.GrammarCompiler(tokenizer_info)
 
 
-@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+# Modules whose tests take a grammar as one more request property (log probabilities, the prefix
+# cache): the default backend is enough there. Elsewhere (the step loops: batch fill, n > 1 forks,
+# aborts, preemption, the lazy greedy path, one step ahead) the matcher is the subject, and every
+# test runs with both backends' matchers.
+GRAMMAR_INCIDENTAL = ("tests.sampling.test_logits_process", "tests.sampling.test_prefix_cache")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "json_grammar" in metafunc.fixturenames:
+        incidental = metafunc.module.__name__ in GRAMMAR_INCIDENTAL
+        backends = ["xgrammar"] if incidental else ["xgrammar", "llguidance"]
+        metafunc.parametrize("json_grammar", backends, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def json_grammar(request: pytest.FixtureRequest, grammar_compilers: tuple[Any, Any]) -> Any:
-    """SCHEMA compiled by each backend: every guided engine test runs with both matchers."""
+    """SCHEMA compiled by the backend the test is parametrized with (``pytest_generate_tests``)."""
     compiler = dict(zip(("xgrammar", "llguidance"), grammar_compilers, strict=True))[request.param]
     return compiler.compile(GrammarSpec("json_schema", SCHEMA)).grammar
 
