@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import anyio
 import pytest
@@ -16,6 +15,10 @@ from pipeline.errors import Overloaded, PromptTooLong, ShuttingDown
 from pipeline.observability.metrics import StageMetrics
 from pipeline.outcome import OutcomeState
 from tests.images import data_url, encode, image_request, make_image
+
+# the bounds under test are the pipeline's, the same in both preparation modes: threads start no
+# worker processes (the images here are a few, and tiny)
+THREADS = "thread"
 
 
 async def test_full_stage_blocks_its_producer() -> None:
@@ -71,7 +74,7 @@ def gate_fetch(pipe: Pipeline) -> anyio.Event:
 
 @pytest.fixture
 async def blocked_pipe() -> AsyncIterator[tuple[Pipeline, anyio.Event]]:
-    config = PipelineConfig(max_pending_requests=4, stage_queue_size=4, fetch_concurrency=1)
+    config = PipelineConfig(max_pending_requests=4, stage_queue_size=4, fetch_concurrency=1, preparation_mode=THREADS)
     async with Pipeline(config, with_engine=False) as pipe:
         yield pipe, gate_fetch(pipe)
 
@@ -100,7 +103,8 @@ async def test_full_pipeline_refuses_admission_at_once(blocked_pipe: tuple[Pipel
 
 
 async def test_shutting_down_refuses_with_503() -> None:
-    async with Pipeline(replace(PipelineConfig(), max_pending_requests=2), with_engine=False) as pipe:
+    config = PipelineConfig(max_pending_requests=2, preparation_mode=THREADS)
+    async with Pipeline(config, with_engine=False) as pipe:
         pipe.stop_accepting()
         with pytest.raises(Overloaded) as info:
             await pipe.prepare({"messages": [{"role": "user", "content": "x"}]})
@@ -109,7 +113,7 @@ async def test_shutting_down_refuses_with_503() -> None:
 
 async def test_max_pending_requests_is_the_bound_that_decides() -> None:
     # inboxes of 2 and one fetch worker: before, the first inbox refused the 4th request
-    config = PipelineConfig(max_pending_requests=40, stage_queue_size=2, fetch_concurrency=1)
+    config = PipelineConfig(max_pending_requests=40, stage_queue_size=2, fetch_concurrency=1, preparation_mode=THREADS)
     body = image_request([data_url(encode(make_image(seed=2)))])
     async with Pipeline(config, with_engine=False) as pipe:
         release = gate_fetch(pipe)
@@ -132,7 +136,8 @@ async def test_max_pending_requests_is_the_bound_that_decides() -> None:
 
 
 async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
-    async with Pipeline(PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512)) as pipe:
+    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode=THREADS)
+    async with Pipeline(config) as pipe:
         handle = await pipe.submit(
             {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "ignore_eos": True}
         )
@@ -149,7 +154,8 @@ async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
 
 async def test_a_sequence_that_may_outgrow_the_whole_kv_cache_is_a_400() -> None:
     # 8 blocks of 16: 128 tokens of cache under a max_model_len of 512
-    async with Pipeline(PipelineConfig(max_running_seqs=2, num_kv_blocks=8, max_model_len=512)) as pipe:
+    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=8, max_model_len=512, preparation_mode=THREADS)
+    async with Pipeline(config) as pipe:
         body = {"messages": [{"role": "user", "content": "go"}], "ignore_eos": True}
         with pytest.raises(PromptTooLong) as info:
             await pipe.prepare({**body, "max_tokens": 200})

@@ -48,7 +48,10 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def api() -> AsyncIterator[tuple[Pipeline, openai.AsyncOpenAI]]:
-    config = PipelineConfig(max_running_seqs=8, num_kv_blocks=256, max_model_len=2048, served_model_names=("m",))
+    # text only: no preparation worker would run, so none is started
+    config = PipelineConfig(
+        max_running_seqs=8, num_kv_blocks=256, max_model_len=2048, served_model_names=("m",), preparation_mode="thread"
+    )
     async with Pipeline(config) as pipe, serving(create_app(pipe), handler_cancellation=True) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         try:
