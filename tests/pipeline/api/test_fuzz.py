@@ -75,6 +75,7 @@ async def target() -> AsyncIterator[Target]:
         fetch_connect_timeout_s=0.5,
         fetch_total_timeout_s=1.0,
         grammar_compile_timeout_s=5.0,
+        preparation_mode="thread",  # drawn images never decode: workers would start for nothing
     )
     async with (
         Pipeline(config) as pipe,

@@ -43,7 +43,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def servers() -> AsyncIterator[Servers]:
-    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512)
+    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread")
     async with (
         Pipeline(config) as pipe,
         listen(create_app(pipe, max_body_bytes=1 << 20)) as default,
