@@ -11,9 +11,9 @@ bounded, and unable to starve the server.
   one is a 400 at once, never a wait behind busy slots; what llguidance cannot compile of these
   (xgrammar's look-ahead, structural-tag formats Lark cannot say) waits for xgrammar.
 - Compiles run in worker threads (both libraries release the GIL), each backend under its own limiter.
-- The cache is keyed by the canonical spec, bounded by bytes (``cache_bytes``: xgrammar reports a
-  grammar's size, llguidance's is estimated), least recently used first out; one entry may hold at
-  most a quarter of it. Errors are cached too (small): the same bad schema fails the same way, free.
+- The cache (``stages.grammar_cache``) is keyed by the canonical spec, bounded by bytes
+  (``cache_bytes``: xgrammar reports a grammar's size, llguidance's is estimated). Errors are cached
+  too (small): the same bad schema fails the same way, free.
 - Concurrent identical compiles share one job. Jobs belong to the stage's task group, not to the
   first caller, so that caller's cancellation does not cancel the job for the others.
 - A waiter gives up after ``timeout_s`` with a 504.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +39,13 @@ from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import INTERNAL_FAILURE
 from stages.answer_check import AnswerCheck
 from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar_cache import GrammarCache
 from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
 from stages.grammar_limits import GrammarLimits, check_limits, check_size
 from stages.native_calls import release_free_memory, run_on_large_stack
 
 __all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
 
-_ERROR_BYTES = 1024
 # After a compile this long, or of a spec this large, the heap is trimmed: its peak (a 20,000-rule
 # grammar: over 1 GB) would otherwise stay with the process
 _TRIM_AFTER_S = 0.5
@@ -56,7 +56,6 @@ _TRIM_AFTER_CHARS = 64 * 1024
 class GrammarStats:
     hits: int = 0
     misses: int = 0
-    evictions: int = 0
     errors: int = 0
     timeouts: int = 0
     compile_seconds: float = 0.0
@@ -101,14 +100,12 @@ class GrammarStage:
             "llguidance": llguidance,
         }
         self.timeout_s = timeout_s
-        self.cache_bytes = cache_bytes
         self.limits = limits if limits is not None else GrammarLimits()
         self.xgrammar_budget_s = xgrammar_budget_s
         self.limiter = anyio.CapacityLimiter(max_concurrent)  # xgrammar compiles: seconds each
         self.fast_limiter = anyio.CapacityLimiter(max_concurrent)  # llguidance compiles: milliseconds
         self.stats = GrammarStats()
-        self._cache: OrderedDict[str, CompiledConstraint | PipelineError] = OrderedDict()
-        self._cached_bytes = 0
+        self._cache: GrammarCache[CompiledConstraint] = GrammarCache(cache_bytes)
         self._flights: dict[tuple[str, str], Outcome[CompiledConstraint]] = {}  # (backend, key) -> job
         self._tg: TaskGroup | None = None
         # False: a shutdown waits for the compile threads (nothing keeps running after the stage);
@@ -122,27 +119,17 @@ class GrammarStage:
     # -- the cache ------------------------------------------------------------------------------
     @property
     def cached_bytes(self) -> int:
-        return self._cached_bytes
+        return self._cache.num_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache.max_bytes
 
     def lookup(self, spec: GrammarSpec) -> CompiledConstraint | PipelineError | None:
         """The cached constraint (or cached error) of ``spec``, without compiling."""
-        return self._cache.get(spec.key)
-
-    def _store(self, key: str, entry: CompiledConstraint | PipelineError) -> None:
-        size = entry.nbytes if isinstance(entry, CompiledConstraint) else _ERROR_BYTES
-        if size > self.cache_bytes // 4:
-            return  # too big to keep: the next request compiles it again
-        self._evict(key)
-        self._cache[key] = entry
-        self._cached_bytes += size
-        while self._cached_bytes > self.cache_bytes:
-            self._evict(next(iter(self._cache)))
-            self.stats.evictions += 1
-
-    def _evict(self, key: str) -> None:
-        entry = self._cache.pop(key, None)
-        if entry is not None:
-            self._cached_bytes -= entry.nbytes if isinstance(entry, CompiledConstraint) else _ERROR_BYTES
+        entry = self._cache.get(spec.key)
+        assert entry is None or isinstance(entry, CompiledConstraint | PipelineError)
+        return entry
 
     def counters(self) -> dict[str, float]:
         """Compile errors, timeouts, jobs in flight and seconds spent (for metrics)."""
@@ -159,9 +146,9 @@ class GrammarStage:
         return {
             "hits": self.stats.hits,
             "misses": self.stats.misses,
-            "evictions": self.stats.evictions,
-            "bytes": self._cached_bytes,
-            "bytes_bound": self.cache_bytes,
+            "evictions": self._cache.evictions,
+            "bytes": self._cache.num_bytes,
+            "bytes_bound": self._cache.max_bytes,
             "entries": len(self._cache),
         }
 
@@ -223,7 +210,7 @@ class GrammarStage:
         # error never replaces a grammar
         is_grammar = isinstance(result, CompiledConstraint)
         if current is None or (is_grammar and (isinstance(current, PipelineError) or backend == "xgrammar")):
-            self._store(spec.key, result)
+            self._cache.store(spec.key, result)
         if isinstance(result, CompiledConstraint):
             flight.set_result(result)
         else:
@@ -301,7 +288,7 @@ class GrammarStage:
             await anyio.to_thread.run_sync(self._parse_sync, spec, limiter=self.fast_limiter)
         except GrammarError as exc:
             self.stats.errors += 1
-            self._store(spec.key, exc)
+            self._cache.store(spec.key, exc)
             return exc
         return None
 
@@ -312,10 +299,10 @@ class GrammarStage:
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
         """
         key = spec.key
-        cached = self._cache.get(key)
+        cached = self._cache.hit(key)
         if cached is not None:
             self.stats.hits += 1
-            self._cache.move_to_end(key)
+            assert isinstance(cached, CompiledConstraint | PipelineError)
             return self._unwrap(cached, request_id)
         self.stats.misses += 1
         try:
