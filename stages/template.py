@@ -17,9 +17,7 @@ from pipeline.types import ImagePart, Message
 from stages.offload import Offload
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
-__all__ = ["TOOL_CALL_MARKER", "TemplateStage"]
-
-TOOL_CALL_MARKER = "[TOOL_CALLS]"  # the Mistral tokenizer's; a model without it has no auto tool calls
+__all__ = ["TemplateStage"]
 
 
 def _to_hf_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
@@ -62,10 +60,13 @@ class TemplateStage:
         self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
 
-    @functools.cached_property
-    def tool_call_token(self) -> int | None:
-        """The id of the tokenizer's tool-call marker token, None when it has none."""
-        token = self.tokenizer.convert_tokens_to_ids(TOOL_CALL_MARKER)
+    @functools.cache  # noqa: B019 - one stage per model, a few marker texts
+    def marker_token(self, marker: str | None) -> int | None:
+        """The id of the token whose text is ``marker`` (a tool-call marker), None when the tokenizer
+        has no such single token (it would write the text in several)."""
+        if marker is None:
+            return None
+        token = self.tokenizer.convert_tokens_to_ids(marker)
         return None if token is None or token == self.tokenizer.unk_token_id else int(token)
 
     def render(

@@ -66,11 +66,14 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-def chat_choice(choice: AnswerChoice, wants_logprobs: bool, tokens: TokenText) -> Choice:
-    """A finished choice as OpenAI's chat-completion choice."""
+def chat_choice(
+    choice: AnswerChoice, wants_logprobs: bool, tokens: TokenText, arguments_key: str = "arguments"
+) -> Choice:
+    """A finished choice as OpenAI's chat-completion choice (``arguments_key``: the key the model's
+    call format gives a call's arguments)."""
     calls: list[ToolCall] | None = None
     if choice.call_text is not None:
-        reader = CallReader()
+        reader = CallReader(arguments_key)
         reader.feed(choice.call_text)
         calls = [
             ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in reader.calls
@@ -88,9 +91,10 @@ def chat_choice(choice: AnswerChoice, wants_logprobs: bool, tokens: TokenText) -
 class ChatStream:
     """The stream chunk choices of one request's deltas (one call reader per choice)."""
 
-    def __init__(self, wants_logprobs: bool, tokens: TokenText) -> None:
+    def __init__(self, wants_logprobs: bool, tokens: TokenText, arguments_key: str = "arguments") -> None:
         self.wants_logprobs = wants_logprobs
         self.tokens = tokens
+        self.arguments_key = arguments_key
         self._readers: dict[int, CallReader] = {}
 
     def choices(self, delta: AnswerDelta) -> list[ChunkChoice]:
@@ -101,7 +105,7 @@ class ChatStream:
             logprobs = ChoiceLogprobs(content=token_logprobs(delta.logprobs, self.tokens))
         reader = self._readers.get(delta.index)
         if delta.is_call and reader is None:
-            reader = self._readers[delta.index] = CallReader()
+            reader = self._readers[delta.index] = CallReader(self.arguments_key)
         reason = finish_reason(delta.finish_reason, reader is not None and bool(reader.calls))
         if reader is None or not delta.is_call:
             return [

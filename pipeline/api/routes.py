@@ -114,7 +114,7 @@ class Api:
                 id=f"chatcmpl-{handle.request_id}",
                 created=created,
                 model=model,
-                choices=[chat_choice(c, wants_logprobs, self.tokens) for c in result.choices],
+                choices=[chat_choice(c, wants_logprobs, self.tokens, _arguments_key(handle)) for c in result.choices],
                 usage=usage(result),
                 timings=result.timings,
             )
@@ -122,7 +122,7 @@ class Api:
 
     async def _chat_stream(self, handle: RequestHandle, model: str, created: int, send: Send) -> None:
         chunk_id = f"chatcmpl-{handle.request_id}"
-        chunks = ChatStream(handle.request.sampling.logprobs is not None, self.tokens)
+        chunks = ChatStream(handle.request.sampling.logprobs is not None, self.tokens, _arguments_key(handle))
         sent = False
 
         async def send_chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> None:
@@ -174,3 +174,9 @@ class Api:
 
     def openapi(self) -> Reply:
         return Reply(200, openapi_json())
+
+
+def _arguments_key(handle: RequestHandle) -> str:
+    """The key of a call's arguments in the model's call format (Llama 3 writes ``parameters``)."""
+    plan = handle.request.tools
+    return plan.format.arguments_key if plan is not None else "arguments"

@@ -21,7 +21,6 @@ from pipeline.protocol.request import ChatRequest
 from sampling.async_engine import EngineQueueFull
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.logits_process import TokenLogprob
-from stages.template import TOOL_CALL_MARKER
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,9 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     call_text: str | None = None  # the tool-call array the model wrote; None: it called no tool
 
-    def add(self, out: SeqOutput, trigger: int | None) -> Delta:
-        """Take one engine output (``trigger``: the token that opens the calls); the delta to pass on."""
+    def add(self, out: SeqOutput, trigger: int | None, marker: str = "") -> Delta:
+        """Take one engine output (``trigger``: the token that opens the calls, ``marker``: its text);
+        the delta to pass on."""
         self.token_ids += out.token_ids
         self.finish_reason = out.finish_reason
         if out.logprobs:
@@ -56,9 +56,9 @@ class Choice:
         text, is_call = out.text, self.call_text is not None
         if not is_call and trigger is not None and trigger in out.token_ids:
             # the marker token's own text (if its tokenizer gives it one) belongs to neither part
-            before, marker, after = text.partition(TOOL_CALL_MARKER)
-            self.text += before if marker else text
-            self.call_text, text, is_call = "", after if marker else "", True
+            before, found, after = text.partition(marker) if marker else (text, "", "")
+            self.text += before if found else text
+            self.call_text, text, is_call = "", after if found else "", True
         if is_call:
             assert self.call_text is not None
             self.call_text += text
@@ -122,6 +122,12 @@ class RequestHandle:
     def _new_choice(self, index: int) -> Choice:
         plan = self.request.tools
         return Choice(index, call_text="" if plan is not None and plan.starts_with_call else None)
+
+    @property
+    def _marker(self) -> str:
+        """The text of the token that opens the calls (none without tools)."""
+        plan = self.request.tools
+        return (plan.format.marker or "") if plan is not None else ""
 
     def _checked(self, choice: Choice) -> str | None:
         """What the answer check reads of ``choice``; None: it has nothing to check."""
@@ -197,7 +203,7 @@ class RequestHandle:
                 if self._tracer is not None:
                     self._tracer.instant("first token", self.request_id)
             choice = choices[out.index]
-            delta = choice.add(out, inp.grammar_trigger)
+            delta = choice.add(out, inp.grammar_trigger, self._marker)
             checked = self._checked(choice)
             for passed in gate.feed(delta, checked) if gate is not None and checked is not None else [delta]:
                 self._deltas.put(passed)
@@ -249,7 +255,7 @@ class RequestHandle:
                 )
                 choice = self._new_choice(index)
                 async for out in self._generate(retry):
-                    choice.add(out, retry.grammar_trigger)
+                    choice.add(out, retry.grammar_trigger, self._marker)
                 self._metrics.answer_resamples += 1
                 self._num_resamples += 1
                 checked = self._checked(choice)

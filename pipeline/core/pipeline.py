@@ -184,6 +184,7 @@ class Pipeline:
             max_model_len=cfg.max_model_len,
             vocab_size=self.vocab_size,
             model_names=self.model_names,
+            tool_format=family_of(self.checkpoint).tool_call_format,
         )
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:

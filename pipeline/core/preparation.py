@@ -188,10 +188,11 @@ class Preparation:
         prep = job.payload
         request = prep.request
         plan = request.tools
-        marker = self.template.tool_call_token
+        marker = self.template.marker_token(plan.format.marker) if plan is not None else None
         if plan is not None and not plan.starts_with_call and marker is None:
             raise InvalidRequest(
-                "this model's tokenizer has no tool-call marker: use tool_choice 'required' or a named function",
+                "this model's tokenizer has no tool-call marker token for tool_choice 'auto' "
+                f"({plan.format.name} format): use tool_choice 'required' or a named function",
                 field="tool_choice",
             )
         tools = plan.tools if plan is not None else ()
@@ -234,7 +235,9 @@ class Preparation:
     def _grammar_trigger(self, request: ChatRequest) -> int | None:
         """``auto`` tool calls: the grammar holds from the marker on."""
         plan = request.tools
-        return self.template.tool_call_token if plan is not None and not plan.starts_with_call else None
+        if plan is None or plan.starts_with_call:
+            return None
+        return self.template.marker_token(plan.format.marker)
 
     async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
         """What ``prepared`` gives, for the engine alone."""

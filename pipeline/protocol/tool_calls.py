@@ -1,10 +1,11 @@
 """The model's call array, read as it streams, into OpenAI's tool-call pieces.
 
-The text after the marker is ``[{"name": "f", "arguments": {...}}, ...]`` (the grammar enforces it,
-with ``name`` first as its schema lists it; arguments are an object, though any JSON value is read
-whole). ``CallReader.feed`` takes the text in any chunks and returns what became known: a call's
-start (its name) as soon as the name is complete, then its arguments' text as it arrives, so a
-stream sends the name first and the arguments in fragments, as OpenAI streams them. A whole answer
+The text after the marker is ``[{"name": "f", "arguments": {...}}, ...]`` (Mistral's; Hermes writes
+``{...}</tool_call>`` per call, Llama 3 one ``{"name": "f", "parameters": {...}}``: each call is an
+object whatever is around it). The grammar enforces it, with ``name`` first as its schema lists it;
+arguments are an object, though any JSON value is read whole. ``CallReader.feed`` takes the text
+in any chunks and returns what became known: a call's start (its name) as soon as the name is
+complete, then its arguments' text as it arrives, so a stream sends the name first and the arguments in fragments, as OpenAI streams them. A whole answer
 read at once gives the same calls, so a streamed and a non-streamed response agree; arguments are
 the model's own JSON text, never re-encoded.
 """
@@ -18,8 +19,13 @@ from dataclasses import dataclass, field
 
 __all__ = ["CallReader", "CallStart", "ParsedCall"]
 
-# {"name": "NAME", "arguments": , with any JSON whitespace; NAME is a JSON string body
-_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+def _head(key: str) -> re.Pattern[str]:
+    """{"name": "NAME", "KEY": , with any JSON whitespace; NAME is a JSON string body."""
+    return re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(key) + r'"\s*:\s*')
+
+
+_HEADS = {key: _head(key) for key in ("arguments", "parameters")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +57,10 @@ class _State(enum.Enum):
 
 @dataclass
 class CallReader:
-    """Reads one answer's call array incrementally (one reader per choice)."""
+    """Reads one answer's calls incrementally (one reader per choice); ``arguments_key``: the key of
+    a call's arguments (Llama 3 writes ``parameters``). Text between calls (Hermes' tags) is skipped."""
 
+    arguments_key: str = "arguments"
     calls: list[ParsedCall] = field(default_factory=list)
     _state: _State = _State.OUTSIDE
     _head: str = ""
@@ -73,7 +81,7 @@ class CallReader:
                     self._state, self._head = _State.HEAD, char
             elif state is _State.HEAD:
                 self._head += char
-                if (found := _HEAD.fullmatch(self._head)) is not None:
+                if (found := _HEADS[self.arguments_key].fullmatch(self._head)) is not None:
                     self.calls.append(ParsedCall(_name(found[1])))
                     events.append(CallStart(len(self.calls) - 1, self.calls[-1].name))
                     self._state = _State.BEFORE_ARGUMENTS

@@ -1,8 +1,8 @@
 """Tool calling: ``tools`` and ``tool_choice`` into a constraint on the model's calls, and back.
 
-The model writes its calls in its chat template's own format, which for the Mistral tokenizer is
-the marker token ``[TOOL_CALLS]`` and then ``[{"name": "f", "arguments": {...}}, ...]``. What each
-``tool_choice`` asks of it:
+The model writes its calls in its chat template's own format (``tool_formats``: Mistral's
+``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``, Hermes' ``<tool_call>`` tags, Llama 3's
+JSON object); described here for Mistral's. What each ``tool_choice`` asks of it:
 
 - ``none`` (or no tools): no constraint, and the marker is banned, so the answer is text.
 - ``required``: the marker is put at the end of the prompt (the assistant's turn starts with it)
@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pipeline.errors import InvalidRequest
 from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolChoice
+from pipeline.protocol.tool_formats import FORMATS, ToolFormat
 from pipeline.protocol.wire import check_depth
 from pipeline.types import GrammarSpec
 from stages.empty_schemas import empty_schema_reason
@@ -48,7 +49,8 @@ class ToolPlan:
 
     mode: ToolMode
     tools: tuple[dict[str, Any], ...]  # OpenAI's tool objects, for the chat template
-    grammar: GrammarSpec  # the array of calls the model writes after the marker
+    grammar: GrammarSpec  # the calls the model writes after the marker, in its family's syntax
+    format: ToolFormat = FORMATS["mistral"]
 
     @property
     def starts_with_call(self) -> bool:
@@ -60,11 +62,11 @@ def _fail(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, field=field, stage="admission")
 
 
-def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(name: str, arguments: dict[str, Any], key: str) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": arguments},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": name}, key: arguments},
+        "required": ["name", key],
         "additionalProperties": False,
     }
 
@@ -88,9 +90,9 @@ def _rebased(value: Any, prefix: str) -> Any:
     return value
 
 
-def _calls_schema(functions: list[tuple[str, dict[str, Any] | None]], *, single: bool) -> dict[str, Any]:
-    """The call array. A function's parameters with local ``$ref``s (``#/definitions/x`` means its own
-    root) move under ``$defs`` of the array's schema, their refs re-pointed there."""
+def _calls_grammar(functions: list[tuple[str, dict[str, Any] | None]], fmt: ToolFormat, *, single: bool) -> GrammarSpec:
+    """The calls in ``fmt``'s syntax. A function's parameters with local ``$ref``s (``#/definitions/x``
+    means its own root) move under ``$defs`` of the schema's root, their refs re-pointed there."""
     defs: dict[str, Any] = {}
     calls = []
     for name, parameters in functions:
@@ -104,18 +106,15 @@ def _calls_schema(functions: list[tuple[str, dict[str, Any] | None]], *, single:
             moved = {k: v for k, v in arguments.items() if k not in ("$id", "$schema")}
             defs[name] = _rebased(moved, f"#/$defs/{name}")
             arguments = {"$ref": f"#/$defs/{name}"}
-        calls.append(_call_schema(name, arguments))
-    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    schema["minItems"] = 1
-    if single:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
+        calls.append(_call_schema(name, arguments, fmt.arguments_key))
+    return fmt.grammar(calls, defs, single=single)
 
 
-def plan_tools(body: ChatCompletionRequest, has_other_constraint: bool) -> ToolPlan | None:
-    """The plan for ``body``'s tools; None when the answer is plain text (no tools, or ``none``).
+def plan_tools(
+    body: ChatCompletionRequest, has_other_constraint: bool, fmt: ToolFormat = FORMATS["mistral"]
+) -> ToolPlan | None:
+    """The plan for ``body``'s tools in the model's call format ``fmt``; None when the answer is plain
+    text (no tools, or ``none``).
 
     :raises InvalidRequest: a choice naming an unknown function, duplicate names, parameters nested
         too deep, tool_choice without tools, or tools beside another structured-output constraint.
@@ -152,9 +151,9 @@ def plan_tools(body: ChatCompletionRequest, has_other_constraint: bool) -> ToolP
         functions = [f for f in functions if f[0] == choice.function.name]
         mode = "named"
     single = mode == "named" or body.parallel_tool_calls is False
-    schema = _calls_schema(functions, single=single)
+    grammar = _calls_grammar(functions, fmt, single=single)
     tools = tuple(_tool_json(tool.function) for tool in body.tools)
-    return ToolPlan(mode, tools, GrammarSpec("json_schema", schema, field="tools"))
+    return ToolPlan(mode, tools, grammar, fmt)
 
 
 def _tool_json(function: Any) -> dict[str, Any]:

@@ -80,7 +80,7 @@ async def test_tools_calls_and_results_render_in_the_mistral_format(stage: Templ
     assert len(call_id) == 9 and request.messages[2].tool_call_id == call_id  # the call and its result still match
     assert f'{{"name": "f", "arguments": {{"a": 1}}, "id": "{call_id}"}}' in text
     assert f'[TOOL_RESULTS]{{"content": "done", "call_id": "{call_id}"}}[/TOOL_RESULTS]' in text
-    assert stage.tool_call_token == 9
+    assert stage.marker_token("[TOOL_CALLS]") == 9
 
 
 async def test_raw_prompts_skip_the_template(stage: TemplateStage, hf_tokenizer: Any) -> None:
