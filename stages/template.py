@@ -7,6 +7,7 @@ thread under this stage's limiter.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,16 @@ from stages.offload import Offload
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
 __all__ = ["TemplateStage"]
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates take them: an object where the JSON text is one (Llama 3.1's
+    template writes ``arguments | tojson``, which would quote a string), else the text itself."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _to_hf_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
@@ -32,7 +43,7 @@ def _to_hf_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
         hf: dict[str, Any] = {"role": message.role, "content": content or None}
         if message.tool_calls:
             hf["tool_calls"] = [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
                 for call_id, name, arguments in message.tool_calls
             ]
         if message.tool_call_id is not None:

@@ -3,11 +3,11 @@
 The text after the marker is ``[{"name": "f", "arguments": {...}}, ...]`` (Mistral's; Hermes writes
 ``{...}</tool_call>`` per call, Llama 3 one ``{"name": "f", "parameters": {...}}``: each call is an
 object whatever is around it). The grammar enforces it, with ``name`` first as its schema lists it;
-arguments are an object, though any JSON value is read whole. ``CallReader.feed`` takes the text
-in any chunks and returns what became known: a call's start (its name) as soon as the name is
-complete, then its arguments' text as it arrives, so a stream sends the name first and the arguments in fragments, as OpenAI streams them. A whole answer
-read at once gives the same calls, so a streamed and a non-streamed response agree; arguments are
-the model's own JSON text, never re-encoded.
+arguments are an object, though any JSON value is read whole. ``CallReader.feed`` takes the text in
+any chunks and returns what became known: a call's start (its name) as soon as the name is complete,
+then its arguments' text as it arrives, so a stream sends the name first and the arguments in
+fragments, as OpenAI streams them. A whole answer read at once gives the same calls, so a streamed
+and a non-streamed response agree; arguments are the model's own JSON text, never re-encoded.
 """
 
 from __future__ import annotations

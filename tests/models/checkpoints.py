@@ -67,11 +67,57 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
+# a message's text, whether its content is a string, parts or none
+_TEXT = (
+    "{% if m['content'] is string %}{% set text = m['content'] %}{% elif m['content'] %}"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% else %}{% set text = '' %}{% endif %}"
+)
+
+# Llama 3.1's template, shortened: tools in the first user message, one call per assistant turn
+# as {"name": ..., "parameters": ...}, results under the ipython role
+LLAMA31_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython<|eot_id|>' }}{% endif %}"
+    "{% for m in messages %}" + _TEXT + "{% if tools and loop.first and m['role'] == 'user' %}"
+    "{{ '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON "
+    "for a function call with its proper arguments that best answers the given prompt.\\n\\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.Do not use variables.'
+    "\\n\\n' }}{% for t in tools %}{{ t | tojson(indent=4) }}{{ '\\n\\n' }}{% endfor %}{{ text + '<|eot_id|>' }}"
+    "{% elif 'tool_calls' in m %}{% if m['tool_calls'] | length != 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+    "{% set call = m['tool_calls'][0]['function'] %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + call['name'] + '\", \"parameters\": ' }}"
+    "{{ call['arguments'] | tojson }}{{ '}<|eot_id|>' }}"
+    "{% elif m['role'] == 'tool' %}{{ '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + text + '<|eot_id|>' }}"
+    "{% else %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + text + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+# Qwen's ChatML template, shortened: tools in the system turn, each call in <tool_call> tags,
+# results in <tool_response> tags inside a user turn
 CHATML_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}" + _TEXT + "{% if m['role'] == 'system' and tools and loop.first %}"
+    "{% elif m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' + text }}"
+    "{% for c in m['tool_calls'] or [] %}{% if text or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}{{ '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + text + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + text + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -222,7 +268,7 @@ FAMILIES: dict[str, Family] = {
         _llama_config(_LLAMA3_ROPE),
         "LlamaForCausalLM",
         _LLAMA3_SPECIALS,
-        LLAMA3_TEMPLATE,
+        LLAMA31_TEMPLATE,
         "<|begin_of_text|>",
         "<|end_of_text|>",
         ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
