@@ -26,7 +26,16 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from pipeline.bench.common import jpeg_data_url, load_average, machine, median, print_table, tracer_for, write_outputs
+from pipeline.bench.common import (
+    add_model_argument,
+    jpeg_data_url,
+    load_average,
+    machine,
+    median,
+    print_table,
+    tracer_for,
+    write_outputs,
+)
 from pipeline.config import PipelineConfig
 from pipeline.core.pipeline import Pipeline
 
@@ -36,6 +45,7 @@ SYSTEM = "You are a meticulous visual analyst. Describe layout, colours, objects
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     parser.add_argument("--repeats", type=int, default=12, help="pairs per TTFT measurement")
     parser.add_argument("--rounds", type=int, default=4, help="half-repeat rounds per pipeline")
     parser.add_argument("--burst", type=int, default=16, help="requests per half-repeat round")
@@ -120,8 +130,8 @@ def _memory(pipe: Pipeline) -> dict[str, Any]:
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    on_cfg = PipelineConfig(encoder_cache_bytes=int(args.encoder_cache_mb * 2**20))
-    off_cfg = PipelineConfig(encoder_cache_bytes=0, prefix_caching=False)
+    on_cfg = PipelineConfig(model=args.model, encoder_cache_bytes=int(args.encoder_cache_mb * 2**20))
+    off_cfg = PipelineConfig(model=args.model, encoder_cache_bytes=0, prefix_caching=False)
     async with Pipeline(on_cfg, tracer=tracer_for(args)) as on, Pipeline(off_cfg) as off:
         for pipe in (on, off):  # warm-up: every preparation worker, first image, first prefill
             async with anyio.create_task_group() as tg:

@@ -20,6 +20,7 @@ from pipeline.observability.trace import Tracer
 __all__ = [
     "DistinctImages",
     "ImageServer",
+    "add_model_argument",
     "children_cpu_seconds",
     "jpeg_bytes",
     "jpeg_data_url",
@@ -47,6 +48,13 @@ def write_traces() -> None:
     for path, tracer in _TRACERS.items():
         tracer.write(path)
         print(f"trace: {tracer.num_events} events written to {path} (open it in https://ui.perfetto.dev)")
+
+
+def add_model_argument(parser: Any) -> None:
+    """``--model DIR``: a Hugging Face checkpoint folder to measure instead of the embedded default model."""
+    parser.add_argument(
+        "--model", default=None, help="checkpoint folder (config, safetensors, tokenizer); default: the embedded model"
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -28,7 +28,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pipeline.bench.common import load_average, machine, median, percentile, print_table, write_outputs
+from pipeline.bench.common import (
+    add_model_argument,
+    load_average,
+    machine,
+    median,
+    percentile,
+    print_table,
+    write_outputs,
+)
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.core.engine_factory import build_llm_engine
 from pipeline.core.stage_factory import build_grammar_stage
@@ -56,6 +64,7 @@ def guided_schema(num_fields: int) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     # short runs, many pairs: the two runs of a pair are close in time, so a shared machine's load
     # changes less between them
@@ -231,10 +240,11 @@ def run_guided(args: argparse.Namespace) -> dict[str, Any]:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    checkpoint = open_checkpoint(None, default_cache_dir())
+    checkpoint = open_checkpoint(args.model, default_cache_dir())
     tokenizer = checkpoint.tokenizer
     batches = [int(b) for b in args.batches.split(",")]
     config = PipelineConfig(
+        model=args.model,
         max_running_seqs=max(batches),
         max_model_len=1024,
         kv_block_size=16,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from pipeline.bench.common import (
     DistinctImages,
     ImageServer,
+    add_model_argument,
     children_cpu_seconds,
     jpeg_data_url,
     load_average,
@@ -39,6 +40,7 @@ KINDS = ("text", "base64", "http")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     parser.add_argument("--requests", type=int, default=64, help="requests per kind and run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vision-threads", type=int, default=None, help="vision_encode_threads (default: config)")
@@ -116,7 +118,9 @@ async def _measure(config: PipelineConfig, args: argparse.Namespace, images: _Im
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    base = PipelineConfig(allow_private_networks=True, max_pending_requests=4096, stage_queue_size=4096)
+    base = PipelineConfig(
+        model=args.model, allow_private_networks=True, max_pending_requests=4096, stage_queue_size=4096
+    )
     if args.vision_threads is not None:
         base = replace(base, vision_encode_threads=args.vision_threads)
     unlimited = replace(base, decode_threads=64, template_threads=64, fetch_concurrency=1024)

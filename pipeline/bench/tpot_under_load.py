@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from pipeline.bench.common import (
     DistinctImages,
+    add_model_argument,
     jpeg_data_url,
     load_average,
     machine,
@@ -39,6 +40,7 @@ IMAGES = ("distinct", "repeated")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     parser.add_argument("--decodes", type=int, default=4, help="running decode requests")
     parser.add_argument("--tokens", type=int, default=256, help="tokens each decode generates")
     parser.add_argument("--burst", type=int, default=64, help="image requests prepared meanwhile")
@@ -119,7 +121,7 @@ async def _measure(
     out: dict[str, dict[str, list[float]]] = {
         kind: {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": []} for kind in bursts
     }
-    config = PipelineConfig(max_pending_requests=1024, stage_queue_size=1024, preparation_mode=mode)
+    config = PipelineConfig(model=args.model, max_pending_requests=1024, stage_queue_size=1024, preparation_mode=mode)
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
         for r in tqdm(range(args.repeats), desc=f"tpot-under-load {mode}", file=sys.stderr):

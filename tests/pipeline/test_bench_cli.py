@@ -28,3 +28,11 @@ def test_a_scenario_that_fails_to_import_says_which_module_and_why(
     assert main(["bench", "broken", *extra]) == 2
     err = capsys.readouterr().err
     assert "pipeline.bench.no_such_module" in err and "ModuleNotFoundError" in err
+
+
+@pytest.mark.parametrize("scenario", ["prep", "guided", "tpot-under-load", "cache"])
+def test_the_model_scenarios_take_a_checkpoint_folder(scenario: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", scenario, "--help"])
+    assert info.value.code == 0
+    assert "--model MODEL" in capsys.readouterr().out
