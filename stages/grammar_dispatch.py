@@ -10,7 +10,6 @@ answer check (``stages/answer_check.py``) still catches; the dispatch only makes
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -154,8 +153,3 @@ def choose_backend(spec: GrammarSpec) -> Dispatch:
             if row.matches(node):
                 return Dispatch("llguidance", row.feature)
     return Dispatch("xgrammar", "default")
-
-
-def spec_size(spec: GrammarSpec) -> int:
-    """Bytes of the spec's canonical JSON (an upper bound on what parsing it can cost)."""
-    return len(json.dumps(spec.value, separators=(",", ":")))
