@@ -3,10 +3,13 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 
 from pipeline.errors import DeadlineExceeded, GrammarError, InvalidRequest
 from pipeline.observability.metrics import Metrics
@@ -304,11 +307,26 @@ TAG = {
 }
 
 
-async def hold_both_xgrammar_slots(stage: GrammarStage, tg: Any) -> None:
-    for i in (1, 2):
-        tg.start_soon(stage.compile, GrammarSpec("json_schema", {"type": "object", "properties": {f"q{i}": {}}}))
-    await anyio.wait_all_tasks_blocked()
-    assert stage.limiter.borrowed_tokens == 2
+@asynccontextmanager
+async def xgrammar_busy(
+    grammar_compilers: tuple[Any, Any], timeout_s: float
+) -> AsyncIterator[tuple[GrammarStage, TaskGroup, threading.Event]]:
+    """A stage whose two xgrammar compile slots are held by gated compiles until ``gate`` is set
+    (at the latest when the block ends)."""
+    gate = threading.Event()
+    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=timeout_s)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            for i in (1, 2):
+                spec = GrammarSpec("json_schema", {"type": "object", "properties": {f"q{i}": {}}})
+                tg.start_soon(stage.compile, spec)
+            await anyio.wait_all_tasks_blocked()
+            assert stage.limiter.borrowed_tokens == 2
+            try:
+                yield stage, tg, gate
+            finally:
+                gate.set()
 
 
 @pytest.mark.parametrize(
@@ -325,16 +343,10 @@ async def test_a_malformed_grammar_is_refused_at_once_while_xgrammar_is_busy(
     grammar_compilers: tuple[Any, Any], spec: GrammarSpec
 ) -> None:
     # it waited for a compile slot: a 504 after the deadline instead of a 400
-    gate = threading.Event()
-    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=2)
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            stage.attach(tg)
-            await hold_both_xgrammar_slots(stage, tg)
-            with pytest.raises(GrammarError) as info:
-                await stage.compile(spec)
-            assert info.value.status == 400 and info.value.field == spec.field
-            gate.set()
+    async with xgrammar_busy(grammar_compilers, timeout_s=2) as (stage, _, _):
+        with pytest.raises(GrammarError) as info:
+            await stage.compile(spec)
+        assert info.value.status == 400 and info.value.field == spec.field
 
 
 @pytest.mark.parametrize(
@@ -349,38 +361,27 @@ async def test_a_malformed_grammar_is_refused_at_once_while_xgrammar_is_busy(
 async def test_grammars_and_tags_are_served_by_llguidance_while_xgrammar_is_busy(
     grammar_compilers: tuple[Any, Any], hf_tokenizer: Any, spec: GrammarSpec, good: str, bad: str
 ) -> None:
-    gate = threading.Event()
-    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=5)
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            stage.attach(tg)
-            await hold_both_xgrammar_slots(stage, tg)
-            served = await stage.compile(spec)
-            assert served.backend == "llguidance" and served.reason == "xgrammar compile slots busy"
-            gate.set()
+    async with xgrammar_busy(grammar_compilers, timeout_s=5) as (stage, _, _):
+        served = await stage.compile(spec)
+        assert served.backend == "llguidance" and served.reason == "xgrammar compile slots busy"
     assert accepts(served.grammar, good, hf_tokenizer) and served.check.check(good) is None
     assert not accepts(served.grammar, bad, hf_tokenizer) and served.check.check(bad) is not None
 
 
 async def test_what_llguidance_cannot_compile_waits_for_xgrammar(grammar_compilers: tuple[Any, Any]) -> None:
-    gate = threading.Event()
-    stage = make_stage((GatedCompiler(grammar_compilers[0], gate), grammar_compilers[1]), timeout_s=10)
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            stage.attach(tg)
-            await hold_both_xgrammar_slots(stage, tg)
-            done = anyio.Event()
-            result: list[CompiledConstraint] = []
+    async with xgrammar_busy(grammar_compilers, timeout_s=10) as (stage, tg, gate):
+        done = anyio.Event()
+        result: list[CompiledConstraint] = []
 
-            async def compile_look_ahead() -> None:
-                result.append(await stage.compile(GrammarSpec("grammar", LOOK_AHEAD, field="grammar")))
-                done.set()
+        async def compile_look_ahead() -> None:
+            result.append(await stage.compile(GrammarSpec("grammar", LOOK_AHEAD, field="grammar")))
+            done.set()
 
-            tg.start_soon(compile_look_ahead)
-            await anyio.wait_all_tasks_blocked()
-            assert not done.is_set()
-            gate.set()
-            await done.wait()
+        tg.start_soon(compile_look_ahead)
+        await anyio.wait_all_tasks_blocked()
+        assert not done.is_set()
+        gate.set()
+        await done.wait()
     assert result[0].backend == "xgrammar" and result[0].check.check("xy") is None
 
 
