@@ -9,7 +9,7 @@ q, k and v arrive after the model's own projections, norms and RoPE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,22 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [B * Tq] flat cache slot each new token's K/V is written to
     key_slots: torch.Tensor  # [B, L] flat cache slots of every key a row may see (padded)
     key_valid: torch.Tensor  # [B, L] bool: slot holds a key of this sequence (not padding)
+    # the visibility mask of each sliding window (None: none), built by the first layer that needs
+    # it and reused by the others: every layer of a step sees the same keys
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, Tq, L]``: a key is visible if it belongs to the row, is not in its future, and
+        lies inside the window (transformers' rule: key > query - window)."""
+        mask = self.masks.get(sliding_window)
+        if mask is None:
+            key_pos = torch.arange(self.key_slots.shape[1], device=self.key_slots.device)[None, None, :]
+            query_pos = self.positions[:, :, None]
+            mask = (key_pos <= query_pos) & self.key_valid[:, None, :]
+            if sliding_window is not None:
+                mask &= key_pos > query_pos - sliding_window
+            mask = self.masks[sliding_window] = mask[:, None]
+        return mask
 
 
 @dataclass(slots=True)
@@ -59,23 +75,15 @@ def attend(
     # keys, values: [B, kv_heads, L, D] gathered through the block tables
     keys = k_cache[batch.key_slots].transpose(1, 2)
     values = v_cache[batch.key_slots].transpose(1, 2)
-    # mask: [B, Tq, L]: a key is visible if it belongs to the row, is not in its future, and lies
-    # inside the layer's window (transformers' rule: key > query - window)
-    key_pos = torch.arange(batch.key_slots.shape[1], device=query.device)[None, None, :]
-    query_pos = batch.positions[:, :, None]
-    mask = (key_pos <= query_pos) & batch.key_valid[:, None, :]
-    if sliding_window is not None:
-        mask &= key_pos > query_pos - sliding_window
+    mask = batch.mask(sliding_window)
     if softcap is None:
-        return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
-        )
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     # soft-capped scores (Gemma 2): tanh before the mask, as transformers' eager attention does
     groups = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     scores = query @ keys.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
 
 
