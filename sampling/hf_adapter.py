@@ -72,8 +72,7 @@ class HFModelRunner(PagedRunner):
         num_blocks: int,
         block_size: int,
     ) -> None:
-        super().__init__(device=device, max_model_len=max_model_len, block_size=block_size)
-        self.image_token_id = checkpoint.image_token_id
+        super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size)
         self.model = load_hf_model(checkpoint, device=self.device, dtype=self.dtype)
         text = checkpoint_text_config(self.model)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -91,12 +90,6 @@ class HFModelRunner(PagedRunner):
         self.lm_head = self.model.get_output_embeddings()
         self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
         self._allocate(num_blocks)
-
-    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-        embeds = self.embed_tokens(token_ids)
-        if image_rows is not None and image_rows.numel():
-            embeds[token_ids == self.image_token_id] = image_rows.to(self.device, self.dtype)
-        return embeds
 
     def _forward(self, embeds: torch.Tensor, batch: AttentionBatch, logits_to_keep: int) -> torch.Tensor:
         """Logits ``[rows, vocab]`` in fp32 of the last ``logits_to_keep`` rows (0: all) of ``embeds``

@@ -28,11 +28,11 @@ class ModelRunner(PagedRunner):
         num_blocks: int,
         block_size: int,
     ) -> None:
-        super().__init__(device=device, max_model_len=max_model_len, block_size=block_size)
+        super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size)
         self.lm_config = lm = LMConfig.from_hf(checkpoint.text_config)
         self.cfg = ModelShape(lm.vocab_size, lm.hidden_size, lm.num_layers, lm.num_kv_heads, lm.head_dim)
-        self.image_token_id = checkpoint.image_token_id
         self.model = MistralLM(lm, max_model_len)
+        self.embed_tokens = self.model.embed_tokens
         self._load(checkpoint)
         self.model.to(self.device, self.dtype).eval()
         self._allocate(num_blocks)
@@ -50,13 +50,6 @@ class ModelRunner(PagedRunner):
         if missing or unexpected:
             raise ValueError(f"language model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-        embeds = self.model.embed_tokens(token_ids)
-        if image_rows is not None and image_rows.numel():
-            is_image = token_ids == self.image_token_id
-            embeds[is_image] = image_rows.to(self.device, self.dtype)
-        return embeds
-
     @torch.inference_mode()
     def prefill(
         self,
@@ -73,6 +66,6 @@ class ModelRunner(PagedRunner):
     @torch.inference_mode()
     def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, device=self.device)
-        embeds = self.model.embed_tokens(ids)[:, None]
+        embeds = self.embed_tokens(ids)[:, None]
         hidden = self.model(embeds, batch, self.kv_caches)
         return self.model.compute_logits(hidden[:, 0])

@@ -7,12 +7,14 @@ Every call is synchronous and runs on ``device``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from sampling.kv_cache import allocate_kv_caches
 from sampling.paged_attention import AttentionBatch
+from vision.checkpoint import Checkpoint
 
 __all__ = ["ModelShape", "PagedRunner"]
 
@@ -32,9 +34,10 @@ class PagedRunner:
     """The KV cache and the step inputs of a runner; subclasses add the model and its forward."""
 
     cfg: ModelShape
-    image_token_id: int | None
+    embed_tokens: Callable[[torch.Tensor], torch.Tensor]  # the model's token embedding
 
-    def __init__(self, *, device: str, max_model_len: int, block_size: int) -> None:
+    def __init__(self, checkpoint: Checkpoint, *, device: str, max_model_len: int, block_size: int) -> None:
+        self.image_token_id = checkpoint.image_token_id
         self.device = torch.device(device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.block_size = block_size
@@ -52,6 +55,13 @@ class PagedRunner:
             device=self.device,
             dtype=self.dtype,
         )
+
+    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
+        """The embeddings of ``token_ids``, each image token's replaced by its row of ``image_rows``."""
+        embeds = self.embed_tokens(token_ids)
+        if image_rows is not None and image_rows.numel():
+            embeds[token_ids == self.image_token_id] = image_rows.to(self.device, self.dtype)
+        return embeds
 
     @property
     def kv_block_bytes(self) -> int:
