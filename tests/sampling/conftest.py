@@ -28,6 +28,14 @@ def runner(checkpoint: Checkpoint) -> ModelRunner:
 
 
 @pytest.fixture(scope="session")
+def reference(checkpoint: Checkpoint) -> Any:
+    """transformers' own model of the checkpoint, that the runners' logits are checked against."""
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(checkpoint.path).eval()
+
+
+@pytest.fixture(scope="session")
 def compiler(tokenizer_info: Any) -> xgr.GrammarCompiler:
     return xgr.GrammarCompiler(tokenizer_info)
 

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
@@ -25,6 +27,12 @@ def make_engine(runner: ModelRunner, token_bytes: TokenBytes, **overrides: Any) 
     """A fresh engine over ``runner``: EOS ``[2]``, ``NUM_BLOCKS`` blocks, 16 running; ``overrides`` go to LLMEngine."""
     kwargs: dict[str, Any] = {"eos_token_ids": EOS, "num_blocks": NUM_BLOCKS, "max_running": 16, **overrides}
     return LLMEngine(runner, token_bytes, **kwargs)
+
+
+def reference_logits(reference: Any, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits ``[T, vocab]`` of the whole sequence ``ids`` (the ``reference`` fixture's model)."""
+    with torch.inference_mode():
+        return reference(input_ids=ids[None]).logits[0]
 
 
 def prompt(tokenizer: Any, text: str) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 
 from sampling.detokenizer import TokenBytes
 from sampling.hf_adapter import HFModelRunner
-from tests.sampling.helpers import NUM_BLOCKS, add, make_engine, prompt, run_all
+from tests.sampling.helpers import NUM_BLOCKS, add, make_engine, prompt, reference_logits, run_all
 from vision.checkpoint import Checkpoint
 
 ATOL = 1e-4
@@ -21,25 +21,13 @@ def hf_runner(checkpoint: Checkpoint) -> HFModelRunner:
     return HFModelRunner(checkpoint, device="cpu", max_model_len=4096, num_blocks=NUM_BLOCKS, block_size=16)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: Checkpoint) -> Any:
-    from transformers import LlavaForConditionalGeneration
-
-    return LlavaForConditionalGeneration.from_pretrained(checkpoint.path).eval()
-
-
-def _reference_logits(reference: Any, ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return reference(input_ids=ids[None]).logits[0]  # [T, vocab]
-
-
 def test_chunked_prefill_and_batched_decode_match_transformers(hf_runner: HFModelRunner, reference: Any) -> None:
     runner = hf_runner
     gen = torch.Generator().manual_seed(0)
     seq_a = torch.randint(20, 131_072, (40,), generator=gen)
     seq_b = torch.randint(20, 131_072, (29,), generator=gen)
     seq_c = torch.randint(20, 131_072, (8,), generator=gen)
-    expected = [_reference_logits(reference, s) for s in (seq_a, seq_b, seq_c)]
+    expected = [reference_logits(reference, s) for s in (seq_a, seq_b, seq_c)]
     # scattered, non-monotonic blocks; chunks end mid-block, so positions cross block boundaries
     tables = [[5, 9, 3], [7, 1, 11], [4]]
     for start, end in [(0, 7), (7, 17), (17, 30)]:
@@ -65,7 +53,7 @@ def test_a_prefix_cache_hit_reads_the_shared_blocks(hf_runner: HFModelRunner, re
     second = torch.cat([shared, torch.randint(20, 131_072, (9,), generator=gen)])
     hf_runner.prefill(first.tolist(), 0, [20, 21], None)
     logits = hf_runner.prefill(second[16:].tolist(), 16, [20, 22], None)  # block 20 reused
-    torch.testing.assert_close(logits[0], _reference_logits(reference, second)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[0], reference_logits(reference, second)[-1], atol=ATOL, rtol=0)
 
 
 def test_image_embeddings_at_image_tokens_match_inputs_embeds(

@@ -4,32 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from sampling.model_runner import ModelRunner
+from tests.sampling.helpers import reference_logits
 from vision.checkpoint import Checkpoint
 
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Checkpoint) -> Any:
-    from transformers import LlavaForConditionalGeneration
-
-    return LlavaForConditionalGeneration.from_pretrained(checkpoint.path).eval()
-
-
-def _reference_logits(reference: Any, ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return reference(input_ids=ids[None]).logits[0]  # [T, vocab]
 
 
 def test_chunked_prefill_and_batched_decode_match_transformers(runner: ModelRunner, reference: Any) -> None:
     gen = torch.Generator().manual_seed(0)
     seq_a = torch.randint(20, 131_072, (40,), generator=gen)
     seq_b = torch.randint(20, 131_072, (29,), generator=gen)
-    expected_a, expected_b = _reference_logits(reference, seq_a), _reference_logits(reference, seq_b)
+    expected_a, expected_b = reference_logits(reference, seq_a), reference_logits(reference, seq_b)
     # scattered, non-monotonic blocks; chunks end mid-block, so positions cross block boundaries
     table_a, table_b = [5, 9, 3], [7, 1, 11]
     for start, end in [(0, 7), (7, 17), (17, 30)]:
@@ -62,4 +50,4 @@ def test_image_embeddings_at_image_tokens_match_inputs_embeds(
     second = runner.prefill(ids[4:].tolist(), 4, table, rows[2:])
     torch.testing.assert_close(first[0], expected[3], atol=ATOL, rtol=0)
     torch.testing.assert_close(second[0], expected[-1], atol=ATOL, rtol=0)
-    assert not torch.allclose(second[0], _reference_logits(reference, ids)[-1], atol=ATOL)  # the rows matter
+    assert not torch.allclose(second[0], reference_logits(reference, ids)[-1], atol=ATOL)  # the rows matter
