@@ -8,6 +8,7 @@ enforces it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,8 +47,14 @@ class GrammarSpec:
     value: Any  # schema dict (json_schema), None (json_object), str (regex/grammar), list[str] (choice)
     strict: bool = True
     field: str = "response_format"
+    # the canonical JSON of the whole spec, written on first use and kept (a grammar stage reads it
+    # several times per compile, on the event loop, and a spec may be 256 KB)
+    _key: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def key(self) -> str:
-        body = json.dumps(self.value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return f"{self.kind}:{int(self.strict)}:{body}"
+        if self._key is None:
+            body = json.dumps(self.value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            object.__setattr__(self, "_key", f"{self.kind}:{int(self.strict)}:{body}")
+        assert self._key is not None
+        return self._key
