@@ -73,6 +73,7 @@ class Pipeline:
         self._grammar: GrammarStage | None = None
         self._preparation: Preparation | None = None
         self._engine: AsyncEngine | None = None
+        self._tool_format: str | None = None  # how the model writes tool calls: its family's, fixed at start
         self._stack = AsyncExitStack()
         self._tg: TaskGroup | None = None
         self._pending = 0  # jobs admitted and not yet out of the stages
@@ -131,7 +132,8 @@ class Pipeline:
         cfg = self.config
         device = cfg.resolved_device()
         self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
-        family_of(ck)  # an architecture we cannot serve fails here, named, before anything loads
+        # an architecture we cannot serve fails here, named, before anything loads
+        self._tool_format = family_of(ck).tool_call_format
         self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
         self._grammar = build_grammar_stage(cfg, ck)
         if self.with_engine:
@@ -184,7 +186,7 @@ class Pipeline:
             max_model_len=cfg.max_model_len,
             vocab_size=self.vocab_size,
             model_names=self.model_names,
-            tool_format=family_of(self.checkpoint).tool_call_format,
+            tool_format=self._tool_format,
         )
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:
