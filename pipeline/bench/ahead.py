@@ -27,7 +27,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pipeline.bench.common import load_average, machine, median, print_table, tracer_for, write_outputs
+from pipeline.bench.common import (
+    add_torch_arguments,
+    load_average,
+    machine,
+    median,
+    print_table,
+    torch_device,
+    tracer_for,
+    write_outputs,
+)
 from pipeline.bench.guided import guided_schema
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.core.engine_factory import build_llm_engine
@@ -48,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved (sync, ahead) pairs per batch and kind")
-    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_torch_arguments(parser)
     parser.add_argument("--out", default=None, help="folder for ahead.json and ahead.png")
 
 
@@ -195,9 +203,7 @@ def run_ahead(args: argparse.Namespace) -> dict[str, Any]:
     import xgrammar as xgr
 
     load = [load_average()]
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch_device(args)
     checkpoint = open_checkpoint(None, default_cache_dir())
     batches = [int(b) for b in args.batches.split(",")]
     config = PipelineConfig(

@@ -21,6 +21,7 @@ __all__ = [
     "DistinctImages",
     "ImageServer",
     "add_model_argument",
+    "add_torch_arguments",
     "children_cpu_seconds",
     "jpeg_bytes",
     "jpeg_data_url",
@@ -29,6 +30,7 @@ __all__ = [
     "median",
     "percentile",
     "print_table",
+    "torch_device",
     "tracer_for",
     "write_outputs",
 ]
@@ -55,6 +57,21 @@ def add_model_argument(parser: Any) -> None:
     parser.add_argument(
         "--model", default=None, help="checkpoint folder (config, safetensors, tokenizer); default: the embedded model"
     )
+
+
+def add_torch_arguments(parser: Any) -> None:
+    """``--torch-threads`` and ``--device``, read by ``torch_device``."""
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+
+
+def torch_device(args: Any) -> str:
+    """Apply ``--torch-threads``; the device ``--device`` names (auto: CUDA when there is one)."""
+    import torch
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    return args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def percentile(values: Sequence[float], q: float) -> float:

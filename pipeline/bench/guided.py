@@ -30,11 +30,13 @@ from tqdm import tqdm
 
 from pipeline.bench.common import (
     add_model_argument,
+    add_torch_arguments,
     load_average,
     machine,
     median,
     percentile,
     print_table,
+    torch_device,
     write_outputs,
 )
 from pipeline.config import PipelineConfig, default_cache_dir
@@ -75,8 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=9,
         help="interleaved plain-guided pairs per backend and batch size; the median ratio is reported",
     )
-    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_torch_arguments(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate() comparison")
     parser.add_argument("--out", default=None, help="folder for guided.json and guided.png")
 
@@ -237,9 +238,7 @@ def _print_results(results: list[dict[str, Any]]) -> None:
 def run_guided(args: argparse.Namespace) -> dict[str, Any]:
     """Run the scenario; print its tables and return ``{"scenario": "guided", "results": [...]}``."""
     load = [load_average()]
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch_device(args)
     checkpoint = open_checkpoint(args.model, default_cache_dir())
     tokenizer = checkpoint.tokenizer
     batches = [int(b) for b in args.batches.split(",")]

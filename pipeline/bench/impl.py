@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pipeline.bench.common import load_average, machine, median, print_table
+from pipeline.bench.common import add_torch_arguments, load_average, machine, median, print_table, torch_device
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.core.engine_factory import build_llm_engine
 from sampling.engine import LLMEngine
@@ -37,8 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved (native, transformers) pairs per batch")
-    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    add_torch_arguments(parser)
 
 
 def _tpot(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> tuple[float, float]:
@@ -64,9 +63,7 @@ def _tpot(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the scenario; print its table and return ``{"scenario": "impl", "results": [...]}``."""
     load = [load_average()]
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch_device(args)
     checkpoint = open_checkpoint(None, default_cache_dir())
     batches = [int(b) for b in args.batches.split(",")]
     config = PipelineConfig(
