@@ -21,6 +21,7 @@ from aiohttp.web_request import BaseRequest
 
 from pipeline.api.connections import ConnectionGuard, ConnectionLimits, Place, fitted, raise_fd_limit
 from pipeline.api.replies import error_reply
+from pipeline.api.server import error_response
 from pipeline.errors import InvalidRequest, Overloaded, PipelineError
 
 __all__ = ["Listener", "listen"]
@@ -148,8 +149,7 @@ class GuardedHandler(web.RequestHandler):
             "only ask for /health",
             request_id=None,
         )
-        reply = error_reply(error)
-        response = web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+        response = error_response(error)
         response.force_close()
         return response
 
@@ -170,8 +170,7 @@ class GuardedHandler(web.RequestHandler):
             error = _malformed(status, exc, message)
         if request.writer.output_size > 0:
             raise ConnectionError("the response has begun: no error response can follow")
-        reply = error_reply(error)
-        response = web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+        response = error_response(error)
         response.force_close()
         return response
 
