@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stages.json_pointer import resolve_local_ref
+
 __all__ = ["empty_schema_reason"]
 
 # keywords that never constrain a value: a schema of only these admits everything
@@ -32,22 +34,6 @@ def empty_schema_reason(schema: Any) -> str | None:
 
 def _admits_everything(node: Any) -> bool:
     return node is True or (isinstance(node, dict) and not node.keys() - _ANNOTATIONS - _DEFINITIONS)
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    """The local target of ``ref`` (``#``, ``#/$defs/x``), or None when it is not a local pointer."""
-    if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
-        return None
-    node = root
-    for part in ref[2:].split("/") if len(ref) > 1 else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 class _Walk:
@@ -76,7 +62,7 @@ def _reason(walk: _Walk, node: Any, where: str, depth: int, refs: tuple[str, ...
     if isinstance(ref, str):
         if ref in refs:
             return f"{at}: its $ref chain {' -> '.join((*refs, ref))} never reaches a schema"
-        target = _resolve(walk.root, ref)
+        target = resolve_local_ref(walk.root, ref)
         # only a bare $ref is a pure regress: siblings may make the value finite (draft 2019+)
         bare = not node.keys() - _ANNOTATIONS - _DEFINITIONS - {"$ref"}
         found = walk.reason(target, where, depth + 1, (*refs, ref) if bare else ())

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
+
+from stages.json_pointer import resolve_local_ref
 
 __all__ = ["SchemaWalk"]
 
@@ -68,17 +69,6 @@ class SchemaWalk:
                 yield target
 
     def _resolve(self, ref: str) -> Any:
-        """The local target of ``ref`` (``#``, ``#/$defs/a~1b``), or None."""
         if ref not in self._targets:
-            node: Any = self.root
-            for raw in ref[1:].split("/")[1:] if ref != "#" else []:
-                part = unquote(raw).replace("~1", "/").replace("~0", "~")
-                if isinstance(node, dict) and part in node:
-                    node = node[part]
-                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                    node = node[int(part)]
-                else:
-                    node = None
-                    break
-            self._targets[ref] = node
+            self._targets[ref] = resolve_local_ref(self.root, ref)
         return self._targets[ref]
