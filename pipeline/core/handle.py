@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 
 from pipeline.core.answer_gate import AnswerGate, resample_params
+from pipeline.core.call_split import CallSplit
 from pipeline.core.preparation import PreparedInput
 from pipeline.errors import EngineError, GrammarError, Overloaded, PipelineError, RequestCancelled
 from pipeline.observability.metrics import Metrics
@@ -45,14 +46,17 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     call_text: str | None = None  # the tool-call array the model wrote; None: it called no tool
+    split: CallSplit | None = None  # the calls open where the text says (no marker token)
 
-    def add(self, out: SeqOutput, trigger: int | None, marker: str = "") -> Delta:
+    def add(self, out: SeqOutput, trigger: int | None, marker: str = "") -> list[Delta]:
         """Take one engine output (``trigger``: the token that opens the calls, ``marker``: its text);
-        the delta to pass on."""
+        the deltas to pass on (text before the calls, then the calls, where one output holds both)."""
         self.token_ids += out.token_ids
         self.finish_reason = out.finish_reason
         if out.logprobs:
             self.logprobs += out.logprobs
+        if self.split is not None:
+            return self._split(out)
         text, is_call = out.text, self.call_text is not None
         if not is_call and trigger is not None and trigger in out.token_ids:
             # the marker token's own text (if its tokenizer gives it one) belongs to neither part
@@ -64,7 +68,24 @@ class Choice:
             self.call_text += text
         else:
             self.text += text
-        return Delta(self.index, text, out.token_ids, out.finish_reason, out.logprobs, is_call)
+        return [Delta(self.index, text, out.token_ids, out.finish_reason, out.logprobs, is_call)]
+
+    def _split(self, out: SeqOutput) -> list[Delta]:
+        assert self.split is not None
+        content, call = self.split.feed(out.text, out.finish_reason is not None)
+        self.text += content
+        if not self.split.is_open:
+            return [Delta(self.index, content, out.token_ids, out.finish_reason, out.logprobs)]
+        self.call_text = (self.call_text or "") + call
+        last = Delta(self.index, call, out.token_ids, out.finish_reason, out.logprobs, is_call=True)
+        return [Delta(self.index, content, []), last] if content else [last]
+
+    @property
+    def answer(self) -> str:
+        """The whole text the model wrote (with a text-opened split: content, marker, calls)."""
+        if self.split is None or self.call_text is None:
+            return self.text
+        return self.text + self.split.marker + self.call_text
 
 
 @dataclass
@@ -121,6 +142,8 @@ class RequestHandle:
 
     def _new_choice(self, index: int) -> Choice:
         plan = self.request.tools
+        if plan is not None and plan.spans_answer:
+            return Choice(index, split=CallSplit(plan.format.marker or ""))
         return Choice(index, call_text="" if plan is not None and plan.starts_with_call else None)
 
     @property
@@ -131,7 +154,10 @@ class RequestHandle:
 
     def _checked(self, choice: Choice) -> str | None:
         """What the answer check reads of ``choice``; None: it has nothing to check."""
-        return choice.call_text if self.request.tools is not None else choice.text
+        plan = self.request.tools
+        if plan is not None and plan.spans_answer:
+            return choice.answer  # the grammar held over text and calls alike
+        return choice.call_text if plan is not None else choice.text
 
     async def run(self, prepared: Awaitable[PreparedInput]) -> None:
         """Prepare, then decode; every exit ends the handle with exactly one outcome."""
@@ -203,10 +229,10 @@ class RequestHandle:
                 if self._tracer is not None:
                     self._tracer.instant("first token", self.request_id)
             choice = choices[out.index]
-            delta = choice.add(out, inp.grammar_trigger, self._marker)
-            checked = self._checked(choice)
-            for passed in gate.feed(delta, checked) if gate is not None and checked is not None else [delta]:
-                self._deltas.put(passed)
+            for delta in choice.add(out, inp.grammar_trigger, self._marker):
+                checked = self._checked(choice)
+                for passed in gate.feed(delta, checked) if gate is not None and checked is not None else [delta]:
+                    self._deltas.put(passed)
 
     async def _generate(self, inp: EngineInput) -> AsyncIterator[SeqOutput]:
         """The engine's outputs for ``inp``; its sequences are aborted if the caller stops early.

@@ -189,7 +189,7 @@ class Preparation:
         request = prep.request
         plan = request.tools
         marker = self.template.marker_token(plan.format.marker) if plan is not None else None
-        if plan is not None and not plan.starts_with_call and marker is None:
+        if plan is not None and not plan.starts_with_call and not plan.spans_answer and marker is None:
             raise InvalidRequest(
                 "this model's tokenizer has no tool-call marker token for tool_choice 'auto' "
                 f"({plan.format.name} format): use tool_choice 'required' or a named function",
@@ -235,7 +235,7 @@ class Preparation:
     def _grammar_trigger(self, request: ChatRequest) -> int | None:
         """``auto`` tool calls: the grammar holds from the marker on."""
         plan = request.tools
-        if plan is None or plan.starts_with_call:
+        if plan is None or plan.starts_with_call or plan.spans_answer:
             return None
         return self.template.marker_token(plan.format.marker)
 

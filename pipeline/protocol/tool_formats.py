@@ -9,8 +9,12 @@ A family's chat template tells the model one syntax for its calls (sampling/fami
   with no marker (Llama 3.1's template allows a single call per turn).
 
 For ``required`` and a named function the marker (if any) ends the prompt and the rest is the
-constraint below; for ``auto`` the grammar holds from the marker token on, so a family whose marker
-is not one token of its tokenizer (or that has none) cannot call tools under ``auto``.
+constraint below. For ``auto`` the grammar holds from the marker token on (no mask before it: free
+text costs nothing); a family whose marker is not one token of its tokenizer cannot call tools under
+``auto``. Where there is none, the grammar spans the whole answer instead (``answer_grammar``): free
+text or a call, decided by the text. Llama 3's answer is then either one call (it opens with ``{``)
+or text that does not open with ``{``: parsing the answer after the fact would pass a malformed or
+off-schema call on as text.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ class ToolFormat:
     many_calls: bool  # whether one answer may hold several calls
     end: str = ""  # the text that closes each call (hermes: </tool_call>)
 
+    @property
+    def triggers_by_token(self) -> bool:
+        """Whether ``auto`` can start the grammar at the marker token (else it spans the answer)."""
+        return self.marker is not None
+
     def call_schema(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
         """One call: any of ``calls`` (each an object schema of a name and its arguments)."""
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -56,6 +65,14 @@ class ToolFormat:
         seq = [call, {"type": "const_string", "value": self.end}, {"type": "star", "content": more}]
         tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": seq}}
         return GrammarSpec("structural_tag", tag, field="tools")
+
+    def answer_grammar(self, calls: list[dict[str, Any]], defs: dict[str, Any], *, single: bool) -> GrammarSpec:
+        """``auto`` without a marker token: the whole answer, free text or calls in this syntax."""
+        call = {"type": "json_schema", "json_schema": _with_defs(self.call_schema(calls), defs)}
+        # one call, or text that does not open like one (an empty answer is text too)
+        text = {"type": "regex", "pattern": r"([^{][\s\S]*)?"}
+        fmt: dict[str, Any] = {"type": "or", "elements": [call, text]}
+        return GrammarSpec("structural_tag", {"type": "structural_tag", "format": fmt}, field="tools")
 
 
 def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,9 @@ JSON object); described here for Mistral's. What each ``tool_choice`` asks of it
   JSON schema (``anyOf`` over the functions).
 - a named function: the same, with one call to that function alone.
 - ``auto`` (the default with tools): free text until the model writes the marker; from that token
-  on the same array of calls is enforced (the engine's grammar trigger).
+  on the same array of calls is enforced (the engine's grammar trigger). A family whose marker is
+  several tokens, or that has none (Llama 3), gets a grammar over the whole answer instead
+  (``ToolFormat.answer_grammar``), and the calls are found in the text (``spans_answer``).
 
 The calls are a JSON-schema constraint like any other: compiled by the grammar stage, and each
 finished call array is checked against the whole schema before it leaves (rule 7). Call ids are 9
@@ -57,6 +59,11 @@ class ToolPlan:
         """Whether the answer is calls from its first token (the marker ends the prompt)."""
         return self.mode != "auto"
 
+    @property
+    def spans_answer(self) -> bool:
+        """Whether the grammar covers the whole answer, text and calls (``auto`` without a marker token)."""
+        return self.mode == "auto" and not self.format.triggers_by_token
+
 
 def _fail(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, field=field, stage="admission")
@@ -90,9 +97,12 @@ def _rebased(value: Any, prefix: str) -> Any:
     return value
 
 
-def _calls_grammar(functions: list[tuple[str, dict[str, Any] | None]], fmt: ToolFormat, *, single: bool) -> GrammarSpec:
-    """The calls in ``fmt``'s syntax. A function's parameters with local ``$ref``s (``#/definitions/x``
-    means its own root) move under ``$defs`` of the schema's root, their refs re-pointed there."""
+def _calls_grammar(
+    functions: list[tuple[str, dict[str, Any] | None]], fmt: ToolFormat, *, single: bool, whole: bool
+) -> GrammarSpec:
+    """The calls in ``fmt``'s syntax (``whole``: the whole answer, text or calls). A function's
+    parameters with local ``$ref``s (``#/definitions/x`` means its own root) move under ``$defs`` of
+    the schema's root, their refs re-pointed there."""
     defs: dict[str, Any] = {}
     calls = []
     for name, parameters in functions:
@@ -107,7 +117,7 @@ def _calls_grammar(functions: list[tuple[str, dict[str, Any] | None]], fmt: Tool
             defs[name] = _rebased(moved, f"#/$defs/{name}")
             arguments = {"$ref": f"#/$defs/{name}"}
         calls.append(_call_schema(name, arguments, fmt.arguments_key))
-    return fmt.grammar(calls, defs, single=single)
+    return (fmt.answer_grammar if whole else fmt.grammar)(calls, defs, single=single)
 
 
 def plan_tools(
@@ -151,7 +161,8 @@ def plan_tools(
         functions = [f for f in functions if f[0] == choice.function.name]
         mode = "named"
     single = mode == "named" or body.parallel_tool_calls is False
-    grammar = _calls_grammar(functions, fmt, single=single)
+    whole = mode == "auto" and not fmt.triggers_by_token
+    grammar = _calls_grammar(functions, fmt, single=single, whole=whole)
     tools = tuple(_tool_json(tool.function) for tool in body.tools)
     return ToolPlan(mode, tools, grammar, fmt)
 
