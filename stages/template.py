@@ -18,7 +18,13 @@ from pipeline.types import ImagePart, Message
 from stages.offload import Offload
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
-__all__ = ["TemplateStage"]
+__all__ = ["TemplateStage", "single_token_id"]
+
+
+def single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``tokenizer``'s one token whose text is ``text``; None when it writes it in several."""
+    token = tokenizer.convert_tokens_to_ids(text)
+    return None if token is None or token == tokenizer.unk_token_id else int(token)
 
 
 def _arguments(text: str) -> Any:
@@ -75,10 +81,13 @@ class TemplateStage:
     def marker_token(self, marker: str | None) -> int | None:
         """The id of the token whose text is ``marker`` (a tool-call marker), None when the tokenizer
         has no such single token (it would write the text in several)."""
-        if marker is None:
-            return None
-        token = self.tokenizer.convert_tokens_to_ids(marker)
-        return None if token is None or token == self.tokenizer.unk_token_id else int(token)
+        return None if marker is None else single_token_id(self.tokenizer, marker)
+
+    @functools.cache  # noqa: B019 - one stage per model, a few marker texts
+    def marker_ids(self, marker: str) -> tuple[int, ...]:
+        """The token ids that write ``marker``: its one token, else its tokenization."""
+        token = single_token_id(self.tokenizer, marker)
+        return (token,) if token is not None else tuple(self.tokenizer.encode(marker, add_special_tokens=False))
 
     def render(
         self,

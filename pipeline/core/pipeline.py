@@ -5,6 +5,7 @@ What it holds is read by ``pipeline.core.snapshot``; its stages are built by ``p
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Awaitable, Callable
@@ -27,11 +28,13 @@ from pipeline.observability.prometheus import MetricsExporter
 from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
+from pipeline.protocol.tool_formats import ToolFormat, tool_format
 from sampling.async_engine import AsyncEngine
 from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
 from stages.grammar import GrammarStage
+from stages.template import single_token_id
 from vision.checkpoint import Checkpoint, open_checkpoint
 from vision.encoder import VisionEncoder
 
@@ -73,7 +76,7 @@ class Pipeline:
         self._grammar: GrammarStage | None = None
         self._preparation: Preparation | None = None
         self._engine: AsyncEngine | None = None
-        self._tool_format: str | None = None  # how the model writes tool calls: its family's, fixed at start
+        self._tool_format: ToolFormat | None = None  # how the model writes tool calls: its family's, fixed at start
         self._stack = AsyncExitStack()
         self._tg: TaskGroup | None = None
         self._pending = 0  # jobs admitted and not yet out of the stages
@@ -133,7 +136,10 @@ class Pipeline:
         device = cfg.resolved_device()
         self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
         # an architecture we cannot serve fails here, named, before anything loads
-        self._tool_format = family_of(ck).tool_call_format
+        fmt = tool_format(family_of(ck).tool_call_format)
+        if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
+            fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
+        self._tool_format = fmt
         self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
         self._grammar = build_grammar_stage(cfg, ck)
         if self.with_engine:

@@ -26,7 +26,7 @@ from pipeline.core.stage_factory import (
     build_vision_stage,
 )
 from pipeline.core.staged import Job, StageWorkers
-from pipeline.errors import InvalidRequest, PipelineError
+from pipeline.errors import PipelineError
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Outcome
@@ -188,17 +188,10 @@ class Preparation:
         prep = job.payload
         request = prep.request
         plan = request.tools
-        marker = self.template.marker_token(plan.format.marker) if plan is not None else None
-        if plan is not None and not plan.starts_with_call and not plan.spans_answer and marker is None:
-            raise InvalidRequest(
-                "this model's tokenizer has no tool-call marker token for tool_choice 'auto' "
-                f"({plan.format.name} format): use tool_choice 'required' or a named function",
-                field="tool_choice",
-            )
         tools = plan.tools if plan is not None else ()
         prep.prompt_ids = await self.template.run(request.messages, prep.images.images, tools, request.prompt)
-        if plan is not None and plan.starts_with_call and marker is not None:
-            prep.prompt_ids.append(marker)  # the assistant's turn opens with its calls
+        if plan is not None and plan.starts_with_call and plan.format.marker is not None:
+            prep.prompt_ids += self.template.marker_ids(plan.format.marker)  # the turn opens with its calls
         sampling, where = request.sampling, "messages" if request.prompt is None else "prompt"
         check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens, where)
 

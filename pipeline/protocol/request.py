@@ -24,6 +24,7 @@ from pipeline.protocol.request_bodies import (
     ImageContent,
     ImageURL,
 )
+from pipeline.protocol.tool_formats import ToolFormat
 from pipeline.protocol.tool_formats import tool_format as format_named
 from pipeline.protocol.tools import ToolPlan, plan_tools, template_call_id
 from pipeline.protocol.wire import check_depth, decode_body
@@ -208,18 +209,19 @@ def parse_chat_request(
     vocab_size: int = 1 << 31,
     model_names: tuple[str, ...] | None = None,
     request_id: str | None = None,
-    tool_format: str | None = None,
+    tool_format: str | ToolFormat | None = None,
 ) -> ChatRequest:
     """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
     the names ``model`` may carry (None: any); ``tool_format``: how the model writes tool calls
-    (``tool_formats.FORMATS``; None: Mistral's).
+    (a ``ToolFormat``, or its name in ``tool_formats.FORMATS``; None: Mistral's).
 
     :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
     typed = decode_body(body, ChatCompletionRequest)
     check_model(typed.model, model_names)
     grammar = request_grammar(typed, body)
-    tools = plan_tools(typed, grammar is not None, format_named(tool_format))
+    fmt = tool_format if isinstance(tool_format, ToolFormat) else format_named(tool_format)
+    tools = plan_tools(typed, grammar is not None, fmt)
     sampling = sampling_params(
         typed, default_max_tokens, max_model_len, logprobs=_chat_logprobs(typed), vocab_size=vocab_size
     )

@@ -9,12 +9,12 @@ A family's chat template tells the model one syntax for its calls (sampling/fami
   with no marker (Llama 3.1's template allows a single call per turn).
 
 For ``required`` and a named function the marker (if any) ends the prompt and the rest is the
-constraint below. For ``auto`` the grammar holds from the marker token on (no mask before it: free
-text costs nothing); a family whose marker is not one token of its tokenizer cannot call tools under
-``auto``. Where there is none, the grammar spans the whole answer instead (``answer_grammar``): free
-text or a call, decided by the text. Llama 3's answer is then either one call (it opens with ``{``)
-or text that does not open with ``{``: parsing the answer after the fact would pass a malformed or
-off-schema call on as text.
+constraint below. For ``auto`` the grammar holds from the marker token on where the marker is one
+token of the tokenizer (no mask before it: free text costs nothing). Where it is several tokens, or
+there is none, the grammar spans the whole answer instead (``answer_grammar``): free text or calls,
+decided by the text, so the model cannot write a call that escapes its schema whichever tokens spell
+it. Llama 3's answer is then either one call (it opens with ``{``) or text that does not open with
+``{``: parsing the answer after the fact would pass a malformed or off-schema call on as text.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ class ToolFormat:
     arguments_key: str  # the key of a call's arguments object
     many_calls: bool  # whether one answer may hold several calls
     end: str = ""  # the text that closes each call (hermes: </tool_call>)
+    marker_is_token: bool = True  # the tokenizer writes the marker as one token (set at start)
 
     @property
     def triggers_by_token(self) -> bool:
         """Whether ``auto`` can start the grammar at the marker token (else it spans the answer)."""
-        return self.marker is not None
+        return self.marker is not None and self.marker_is_token
 
     def call_schema(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
         """One call: any of ``calls`` (each an object schema of a name and its arguments)."""
@@ -69,9 +70,19 @@ class ToolFormat:
     def answer_grammar(self, calls: list[dict[str, Any]], defs: dict[str, Any], *, single: bool) -> GrammarSpec:
         """``auto`` without a marker token: the whole answer, free text or calls in this syntax."""
         call = {"type": "json_schema", "json_schema": _with_defs(self.call_schema(calls), defs)}
-        # one call, or text that does not open like one (an empty answer is text too)
-        text = {"type": "regex", "pattern": r"([^{][\s\S]*)?"}
-        fmt: dict[str, Any] = {"type": "or", "elements": [call, text]}
+        if self.marker is None:
+            # one call, or text that does not open like one (an empty answer is text too)
+            text = {"type": "regex", "pattern": r"([^{][\s\S]*)?"}
+            fmt: dict[str, Any] = {"type": "or", "elements": [call, text]}
+        else:
+            tag = {"type": "tag", "begin": self.marker, "content": call, "end": self.end}
+            fmt = {
+                "type": "triggered_tags",
+                "triggers": [self.marker],
+                "tags": [tag],
+                "at_least_one": False,
+                "stop_after_first": single or not self.many_calls,
+            }
         return GrammarSpec("structural_tag", {"type": "structural_tag", "format": fmt}, field="tools")
 
 

@@ -1,9 +1,10 @@
 """``tool_choice: "auto"`` where no single token opens the calls: Llama 3.1 (its JSON call has no
-marker). The grammar then spans the whole answer: free text, or calls that hold to their schemas,
-found in the text."""
+marker) and a Qwen tokenizer that writes ``<tool_call>`` in several tokens. The grammar then spans
+the whole answer: free text, or calls that hold to their schemas, found in the text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,10 +12,12 @@ from typing import Any
 
 import anyio
 import jsonschema
+import pytest
 
 from pipeline import PipelineConfig
 from pipeline.api.responses import TokenText, chat_choice
 from pipeline.core.pipeline import Pipeline
+from tests.models.checkpoints import FAMILIES, build_family
 
 FamilyDir = Callable[[str], Path]
 WEATHER = {
@@ -35,6 +38,28 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# the variant's one token that holds the marker with the newline before it (so "<tool_call>" alone
+# is no token of it)
+NEWLINE_MARKER = "\n<tool_call>"
+
+
+def build_multi_token_qwen(folder: Path) -> Path:
+    """Qwen3 whose tokenizer has no ``<tool_call>`` token: it writes it in byte-level pieces, or in
+    one added (not special) token together with the newline before it."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    specials = [s for s in FAMILIES["qwen3"].specials if "tool_call" not in s]
+    build_family(dataclasses.replace(FAMILIES["qwen3"], name="qwen3-plain-tags", specials=specials), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens([AddedToken(NEWLINE_MARKER, special=False, normalized=False)])
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain_tags_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_multi_token_qwen(tmp_path_factory.mktemp("qwen3_plain_tags"))
 
 
 def _config(folder: Path) -> PipelineConfig:
@@ -87,3 +112,43 @@ async def test_llama3_auto_answers_text_or_one_valid_call(family_dir: FamilyDir)
     assert constraint.check.check("It is sunny {maybe}.") is None
     assert constraint.check.check(good.replace("UTC", "PST")) is not None
     assert constraint.check.check(good.replace("get_time", "get_date")) is not None
+
+
+async def test_hermes_auto_with_a_marker_of_several_tokens(plain_tags_dir: Path) -> None:
+    """Qwen whose tokenizer has no ``<tool_call>`` token: the marker's text opens the calls whichever
+    tokens write it (here one token that also holds the newline before it, pushed with a logit bias),
+    the call holds to its schema and leaves the content."""
+    with anyio.fail_after(240):
+        async with Pipeline(_config(plain_tags_dir)) as pipe:
+            tokenizer = pipe.checkpoint.tokenizer
+            assert tokenizer.convert_tokens_to_ids("<tool_call>") is None
+            assert len(tokenizer.encode("<tool_call>", add_special_tokens=False)) > 1
+            merged = tokenizer.convert_tokens_to_ids(NEWLINE_MARKER)
+            raw, call = await _answer(pipe, parallel_tool_calls=False, logit_bias={str(merged): 100})
+            constraint = await pipe.preparation.grammar.compile(
+                pipe.parse({"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": False}).grammar
+            )
+    assert merged in raw.token_ids
+    _assert_one_valid_call(call)
+    assert "<tool_call>" not in (call.message.content or "") and "tool_call" not in raw.call_text.split("}")[0]
+    # the grammar reads text, not tokens: the marker in any pieces opens a call held to its schema
+    good = 'Let me look. <tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    assert constraint.check.check(good) is None
+    assert constraint.check.check("No call here.") is None
+    assert constraint.check.check(good.replace("CET", "PST")) is not None
+    assert constraint.check.check('Look: <tool_call>{"name": "get_time"}') is not None
+
+
+async def test_hermes_required_with_a_marker_of_several_tokens(plain_tags_dir: Path) -> None:
+    """``required``: the marker's tokens end the prompt and the call follows them."""
+    with anyio.fail_after(240):
+        async with Pipeline(_config(plain_tags_dir)) as pipe:
+            pieces = pipe.checkpoint.tokenizer.encode("<tool_call>", add_special_tokens=False)
+            body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 64}
+            handle = await pipe.submit({**body, "temperature": 0, "parallel_tool_calls": False})
+            result = await handle.result()
+            assert handle.request.tools is not None
+            choice = chat_choice(result.choices[0], False, TokenText(pipe.token_table))
+            prompt = await pipe.preparation.template.run(handle.request.messages, [], handle.request.tools.tools, None)
+    assert result.prompt_tokens == len(prompt) + len(pieces)
+    _assert_one_valid_call(choice)
