@@ -4,7 +4,6 @@ the whole answer: free text, or calls that hold to their schemas, found in the t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.api.responses import TokenText, chat_choice
 from pipeline.core.pipeline import Pipeline
-from tests.models.checkpoints import FAMILIES, build_family
+from tests.models.plain_tags import NEWLINE_MARKER, build_multi_token_qwen
 
 FamilyDir = Callable[[str], Path]
 WEATHER = {
@@ -38,23 +37,6 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-# the variant's one token that holds the marker with the newline before it (so "<tool_call>" alone
-# is no token of it)
-NEWLINE_MARKER = "\n<tool_call>"
-
-
-def build_multi_token_qwen(folder: Path) -> Path:
-    """Qwen3 whose tokenizer has no ``<tool_call>`` token: it writes it in byte-level pieces, or in
-    one added (not special) token together with the newline before it."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
-
-    specials = [s for s in FAMILIES["qwen3"].specials if "tool_call" not in s]
-    build_family(dataclasses.replace(FAMILIES["qwen3"], name="qwen3-plain-tags", specials=specials), folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_tokens([AddedToken(NEWLINE_MARKER, special=False, normalized=False)])
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
