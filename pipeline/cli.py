@@ -289,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_on_ray(args, _config(args), _send_demo if args.demo or args.once else None)
     if args.command == "serve":
-        asyncio.run(serve(args))
+        from sampling.hf_adapter import UnsupportedModel
+
+        try:
+            asyncio.run(serve(args))
+        except UnsupportedModel as exc:  # the user's checkpoint, not a bug: its message, no traceback
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
         _exit_without_waiting_for_threads()
         return 0
     return run_bench(args)
