@@ -1,10 +1,11 @@
 """The vision encoder of a checkpoint: for Llava with a Pixtral tower (its last layer, every patch),
 transformers' tower and projector modules loaded alone from the checkpoint's weights; for other
-families, the checkpoint's own transformers model with its language model dropped, encoding through
-its own ``get_image_features`` (tower + projector or patch merger)."""
+families, the checkpoint's own transformers model built and loaded without its language model,
+encoding through its own ``get_image_features`` (tower + projector or patch merger)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -77,14 +78,41 @@ class VisionEncoder:
 
 
 def _load_without_language_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> Any:
-    """The checkpoint's own model with only its vision tower and projector kept."""
-    from transformers import AutoModelForImageTextToText
+    """The checkpoint's own model without its language model and head: only what
+    ``get_image_features`` runs (tower, projector or merger) is built and read from the weights.
 
-    model: Any = AutoModelForImageTextToText.from_pretrained(checkpoint.path, dtype=dtype)
-    # the language model never runs here (the decode engine has its own): free its weights
-    model.model.language_model = None
-    model.lm_head = None
-    return model.to(device).eval()
+    transformers builds a model on the meta device and then reads, of the checkpoint, the tensors
+    its modules hold (renaming legacy names as it does for the whole model); here the modules go
+    before the reading, so the language model's weights are never read, nor held in any process
+    that encodes, and non-persistent buffers (rotary frequencies) are set up as usual.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    classes: Any = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    model = _without_language_model(classes[type(checkpoint.config)])
+    return model.from_pretrained(checkpoint.path, dtype=dtype).to(device).eval()
+
+
+def _without_language_model(base: Any) -> Any:
+    """``base`` (a transformers image-text-to-text class) whose instances drop their decoder and
+    output head as soon as they are built."""
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        dropped = []
+        for part in (self.get_decoder(), self.get_output_embeddings()):
+            name = next((n for n, m in self.named_modules() if m is part and n), None)
+            if name is not None:
+                parent, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(parent), attr, None)
+                dropped.append(name)
+        self.all_tied_weights_keys = {}  # the head tied to the embeddings went with them
+        # the checkpoint's tensors of the dropped parts are expected to go unread, not reported
+        self._keys_to_ignore_on_load_unexpected = {rf"^{re.escape(name)}\." for name in dropped}
+
+    # named and placed as the base, so transformers applies the base's checkpoint conversions
+    # (it skips those for classes defined outside transformers)
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
 
 
 def _load(module: nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:
