@@ -15,6 +15,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
+from pipeline.core.call_check import with_calls_check
 from pipeline.core.engine_factory import check_fits
 from pipeline.core.image_steps import ImageSteps, RequestImages
 from pipeline.core.stage_factory import (
@@ -209,7 +210,8 @@ class Preparation:
         assert spec is not None
         started = time.perf_counter()
         try:
-            prep.grammar.set_result(await self.grammar.compile(spec, request_id=job.request_id))
+            constraint = await self.grammar.compile(spec, request_id=job.request_id)
+            prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:
             prep.grammar.fail(exc.bind(stage="grammar", request_id=job.request_id))
         except Exception as exc:  # a bug must fail this request, not the pipeline's task group

@@ -53,6 +53,9 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]  # OpenAI's tool objects, for the chat template
     grammar: GrammarSpec  # the calls the model writes after the marker, in its family's syntax
     format: ToolFormat = FORMATS["mistral"]
+    # spans_answer: one call's JSON schema, each call in the answer is checked against (the
+    # grammar's own check of the whole answer is its engine's acceptor)
+    call_schema: dict[str, Any] | None = None
 
     @property
     def starts_with_call(self) -> bool:
@@ -99,10 +102,10 @@ def _rebased(value: Any, prefix: str) -> Any:
 
 def _calls_grammar(
     functions: list[tuple[str, dict[str, Any] | None]], fmt: ToolFormat, *, single: bool, whole: bool
-) -> GrammarSpec:
+) -> tuple[GrammarSpec, dict[str, Any]]:
     """The calls in ``fmt``'s syntax (``whole``: the whole answer, text or calls). A function's
     parameters with local ``$ref``s (``#/definitions/x`` means its own root) move under ``$defs`` of
-    the schema's root, their refs re-pointed there."""
+    the schema's root, their refs re-pointed there. With it, one call's schema."""
     defs: dict[str, Any] = {}
     calls = []
     for name, parameters in functions:
@@ -117,7 +120,10 @@ def _calls_grammar(
             defs[name] = _rebased(moved, f"#/$defs/{name}")
             arguments = {"$ref": f"#/$defs/{name}"}
         calls.append(_call_schema(name, arguments, fmt.arguments_key))
-    return (fmt.answer_grammar if whole else fmt.grammar)(calls, defs, single=single)
+    one = fmt.call_schema(calls)
+    return (fmt.answer_grammar if whole else fmt.grammar)(calls, defs, single=single), (
+        {**one, "$defs": defs} if defs else one
+    )
 
 
 def plan_tools(
@@ -162,9 +168,9 @@ def plan_tools(
         mode = "named"
     single = mode == "named" or body.parallel_tool_calls is False
     whole = mode == "auto" and not fmt.triggers_by_token
-    grammar = _calls_grammar(functions, fmt, single=single, whole=whole)
+    grammar, call_schema = _calls_grammar(functions, fmt, single=single, whole=whole)
     tools = tuple(_tool_json(tool.function) for tool in body.tools)
-    return ToolPlan(mode, tools, grammar, fmt)
+    return ToolPlan(mode, tools, grammar, fmt, call_schema if whole else None)
 
 
 def _tool_json(function: Any) -> dict[str, Any]:

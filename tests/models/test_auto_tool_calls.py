@@ -15,6 +15,7 @@ import pytest
 
 from pipeline import PipelineConfig
 from pipeline.api.responses import TokenText, chat_choice
+from pipeline.core.call_check import with_calls_check
 from pipeline.core.pipeline import Pipeline
 from tests.models.plain_tags import NEWLINE_MARKER, build_multi_token_qwen
 
@@ -134,3 +135,32 @@ async def test_hermes_required_with_a_marker_of_several_tokens(plain_tags_dir: P
             prompt = await pipe.preparation.template.run(handle.request.messages, [], handle.request.tools.tools, None)
     assert result.prompt_tokens == len(prompt) + len(pieces)
     _assert_one_valid_call(choice)
+
+
+NOTE = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 8}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+async def test_each_call_is_checked_strictly_beside_the_grammar(family_dir: FamilyDir, plain_tags_dir: Path) -> None:
+    """The whole-answer grammar's own check is its engine's acceptor, which lets a raw TAB into a
+    string under ``maxLength`` (xgrammar 0.2.8): the answer check parses each call strictly too."""
+    tools = [{"type": "function", "function": {"name": "note", "parameters": NOTE}}]
+    call = '{"name": "note", "KEY": {"text": "a\tb"}}'
+    hermes = "Sure. <tool_call>" + call.replace("KEY", "arguments") + "</tool_call>"
+    cases = [(family_dir("llama3.1"), call.replace("KEY", "parameters")), (plain_tags_dir, hermes)]
+    for folder, answer in cases:
+        with anyio.fail_after(120):
+            async with Pipeline(_config(folder), with_engine=False) as pipe:
+                request = pipe.parse({"messages": MESSAGES, "tools": tools, "parallel_tool_calls": False})
+                assert request.grammar is not None and request.tools is not None and request.tools.spans_answer
+                grammar_only = await pipe.preparation.grammar.compile(request.grammar)
+                constraint = await with_calls_check(grammar_only, request.tools)
+        assert grammar_only.check.check(answer) is None, folder  # the engine's acceptor takes the TAB
+        violation = constraint.check.check(answer)
+        assert violation is not None and violation.path.startswith("/0"), (folder, violation)
+        assert constraint.check.check(answer.replace("\t", " ")) is None
+        assert constraint.check.check("Plain text.") is None
