@@ -75,13 +75,16 @@ class ToolFormat:
             text = {"type": "regex", "pattern": r"([^{][\s\S]*)?"}
             fmt: dict[str, Any] = {"type": "or", "elements": [call, text]}
         else:
-            tag = {"type": "tag", "begin": self.marker, "content": call, "end": self.end}
+            # Mistral's marker opens one array of every call; Hermes' each call
+            calls_after = self.grammar(calls, defs, single=single).value if self.name == "mistral" else None
+            content = call if calls_after is None else {"type": "json_schema", "json_schema": calls_after}
+            tag = {"type": "tag", "begin": self.marker, "content": content, "end": self.end}
             fmt = {
                 "type": "triggered_tags",
                 "triggers": [self.marker],
                 "tags": [tag],
                 "at_least_one": False,
-                "stop_after_first": single or not self.many_calls,
+                "stop_after_first": single or not self.many_calls or calls_after is not None,
             }
         return GrammarSpec("structural_tag", {"type": "structural_tag", "format": fmt}, field="tools")
 
