@@ -61,6 +61,7 @@ class LLMEngine:
             chunk_tokens=chunk_tokens,
             prefix_caching=prefix_caching,
             image_token_id=runner.image_token_id,
+            atomic_image_spans=runner.atomic_image_spans,
         )
         self.requests = RequestTable(
             self.scheduler,

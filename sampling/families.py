@@ -49,6 +49,10 @@ FAMILIES: dict[str, Family] = {
     ),
     # Pixtral tower + patch merger: the Pixtral layout over merged patches
     "Mistral3ForConditionalGeneration": Family("Mistral 3", tool_call_format="mistral", vision_towers=("pixtral",)),
+    # SigLIP tower, patches average-pooled to mm_tokens_per_image; image tokens attend bidirectionally
+    "Gemma3ForConditionalGeneration": Family(
+        "Gemma 3", atomic_image_spans=True, vision_towers=("siglip_vision_model",)
+    ),
 }
 
 
@@ -81,6 +85,8 @@ def family_of(checkpoint: Checkpoint) -> Family:
             and getattr(checkpoint.config, "vision_feature_select_strategy", None) != "default"
         ):
             raise UnsupportedModel(f"architecture {arch}: a CLIP tower that keeps its CLS token is not supported")
+        if getattr(checkpoint.image_processor, "do_pan_and_scan", False):
+            raise UnsupportedModel(f"architecture {arch}: pan and scan (do_pan_and_scan) is not supported")
     return family
 
 
@@ -118,4 +124,6 @@ def build_runner(
             f"architecture {_architecture(checkpoint)}: the native decoder cannot run this checkpoint"
         )
     kind = ModelRunner if impl == "native" or (impl == "auto" and native) else HFModelRunner
-    return kind(checkpoint, device=device, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
+    runner = kind(checkpoint, device=device, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
+    runner.atomic_image_spans = family.atomic_image_spans
+    return runner

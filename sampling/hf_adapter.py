@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from sampling.paged_attention import AttentionBatch, PagedStep, register_paged_attention
+from sampling.paged_attention import AttentionBatch, PagedStep, image_span_ids, register_paged_attention
 from sampling.paged_runner import ModelShape, PagedRunner
 from vision.checkpoint import Checkpoint
 
@@ -116,6 +116,8 @@ class HFModelRunner(PagedRunner):
     ) -> torch.Tensor:
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
         ids = torch.tensor(token_ids, device=self.device)
+        if self.atomic_image_spans and image_rows is not None and image_rows.numel():
+            batch.image_spans = image_span_ids(ids, self.image_token_id, start)  # type: ignore[arg-type]
         return self._forward(self._embed(ids, image_rows), batch, 1)
 
     @torch.inference_mode()

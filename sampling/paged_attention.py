@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_NAME", "AttentionBatch", "PagedStep", "attend", "register_paged_attention"]
+__all__ = ["ATTENTION_NAME", "AttentionBatch", "PagedStep", "attend", "image_span_ids", "register_paged_attention"]
 
 ATTENTION_NAME = "paged_kv"
 
@@ -31,22 +31,39 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [B * Tq] flat cache slot each new token's K/V is written to
     key_slots: torch.Tensor  # [B, L] flat cache slots of every key a row may see (padded)
     key_valid: torch.Tensor  # [B, L] bool: slot holds a key of this sequence (not padding)
+    # [B, L] the image span of each key position (-1: none), for a prefill chunk of a family whose
+    # image tokens attend bidirectionally (Gemma 3); a span is whole inside one chunk (the scheduler)
+    image_spans: torch.Tensor | None = None
     # the visibility mask of each sliding window (None: none), built by the first layer that needs
     # it and reused by the others: every layer of a step sees the same keys
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``[B, 1, Tq, L]``: a key is visible if it belongs to the row, is not in its future, and
-        lies inside the window (transformers' rule: key > query - window)."""
+        """``[B, 1, Tq, L]``: a key is visible if it belongs to the row, is not in its future (or is
+        in the query's own image span), and lies inside the window (transformers' rule for Gemma 3:
+        window AND (causal OR same image), the window being key > query - window)."""
         mask = self.masks.get(sliding_window)
         if mask is None:
             key_pos = torch.arange(self.key_slots.shape[1], device=self.key_slots.device)[None, None, :]
             query_pos = self.positions[:, :, None]
             mask = (key_pos <= query_pos) & self.key_valid[:, None, :]
+            if self.image_spans is not None:
+                query_span = self.image_spans.gather(1, self.positions)[:, :, None]  # [B, Tq, 1]
+                mask |= (self.image_spans[:, None, :] == query_span) & (query_span >= 0)
             if sliding_window is not None:
                 mask &= key_pos > query_pos - sliding_window
             mask = self.masks[sliding_window] = mask[:, None]
         return mask
+
+
+def image_span_ids(token_ids: torch.Tensor, image_token_id: int, start: int) -> torch.Tensor:
+    """``[1, start + len(token_ids)]``: for the chunk ``token_ids`` at positions ``start...``, the
+    span each image token belongs to (runs of image tokens, numbered from 0), -1 elsewhere and
+    before the chunk. What transformers builds from Gemma 3's ``token_type_ids``."""
+    is_image = token_ids == image_token_id
+    begins = is_image & ~F.pad(is_image, (1, 0))[:-1]
+    spans = torch.where(is_image, begins.cumsum(0) - 1, -1)
+    return F.pad(spans, (start, 0), value=-1)[None]
 
 
 @dataclass(slots=True)

@@ -38,6 +38,8 @@ class PagedRunner:
 
     def __init__(self, checkpoint: Checkpoint, *, device: str, max_model_len: int, block_size: int) -> None:
         self.image_token_id = checkpoint.image_token_id
+        # the model's image tokens attend bidirectionally within their image (the registry sets it)
+        self.atomic_image_spans = False
         self.device = torch.device(device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.block_size = block_size

@@ -11,6 +11,12 @@ as their K/V is computed. A preempted sequence finds its own blocks there when i
 they were evicted meanwhile. n > 1 children share their parent's full blocks and copy only its last,
 partial one.
 
+For a family whose image tokens attend bidirectionally within their image (Gemma 3,
+``atomic_image_spans``), an image span is never split across prefill chunks: a chunk that would end
+inside a span ends at its start, or holds exactly the span when it starts there and the span is
+longer than the budget; a cached prefix that ends inside a span is cut back to whole blocks before
+it (sampling/image_spans.py).
+
 ``schedule_ahead()`` serves the engine's one-step-ahead loop: the next decode of the sequences whose
 tokens are still in flight. It decides nothing that ``schedule()`` would decide otherwise; when a
 prefill should run or room must be made, it declines and the loop finishes its in-flight step first.
@@ -22,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sampling.image_spans import chunk_end, uncut_prefix
 from sampling.kv_cache import BlockAllocator, blocks_needed
 from sampling.prefix_cache import cacheable_prefix, compute_block_hashes
 from sampling.sequence import SeqState, Sequence
@@ -64,10 +71,13 @@ class Scheduler:
         chunk_tokens: int,
         prefix_caching: bool = False,
         image_token_id: int | None = None,
+        atomic_image_spans: bool = False,
     ) -> None:
         self.allocator = allocator
         self.prefix_caching = prefix_caching
         self.image_token_id = image_token_id
+        # the image token whose spans are never split across chunks; None: spans may be split
+        self.atomic_image_token = image_token_id if atomic_image_spans else None
         self.block_size = block_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
@@ -140,6 +150,9 @@ class Scheduler:
             if block is None:
                 break
             found.append(block)
+        image = self.atomic_image_token
+        if image is not None:  # the prefill after the hit must not start inside an image span
+            found = found[: uncut_prefix(seq.prompt_ids, image, len(found) * bs, bs) // bs]
         self.allocator.share(found)
         self.allocator.stats.hits += len(found)
         self.allocator.stats.misses += len(hashes) - len(found)
@@ -198,7 +211,7 @@ class Scheduler:
             seq = prefilling or self._admit()
             if seq is not None:
                 start = seq.num_computed
-                end = min(seq.num_tokens, start + self.chunk_tokens)
+                end = self._chunk_end(seq, start)
                 if self._reserve(seq, end):
                     self._grow(seq, end)
                     self._last_was_prefill = True
@@ -208,6 +221,13 @@ class Scheduler:
         if not decoding:
             return None
         return self._schedule_decode(decoding)
+
+    def _chunk_end(self, seq: Sequence, start: int) -> int:
+        """Where the prefill chunk starting at ``start`` ends: ``chunk_tokens`` later at most, and
+        with ``atomic_image_spans`` never inside an image span (sampling/image_spans.py)."""
+        end = min(seq.num_tokens, start + self.chunk_tokens)
+        image = self.atomic_image_token
+        return end if image is None else chunk_end(seq.prompt_ids, image, start, end)
 
     @staticmethod
     def _num_copies(seq: Sequence) -> int:

@@ -16,6 +16,7 @@ import anyio
 from pipeline.errors import InvalidRequest, PromptTooLong
 from pipeline.types import ImagePart, Message
 from stages.offload import Offload
+from vision.image_text import ImageText
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
 __all__ = ["TemplateStage", "single_token_id"]
@@ -69,10 +70,13 @@ class TemplateStage:
         max_prompt_tokens: int,
         threads: int,
         inline: bool = False,
+        image_text: ImageText | None = None,
     ) -> None:
-        """``image_ids``: the image token layout, None for a model that takes no images."""
+        """``image_ids``: the image token layout, None for a model that takes no images;
+        ``image_text``: a layout the processor expands in text before tokenizing (Gemma 3)."""
         self.tokenizer = tokenizer
         self.image_ids = image_ids
+        self.image_text = image_text
         self.max_prompt_tokens = max_prompt_tokens
         self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
@@ -108,8 +112,10 @@ class TemplateStage:
             if not all(0 <= t < vocab for t in prompt):
                 raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="prompt")
             ids = list(prompt)
+            if self.image_text is not None:
+                ids = self._expanded(self.image_text.expand_ids, ids, images, self.tokenizer, where=where)
         elif prompt is not None:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(self._expand_text(prompt, images, where), add_special_tokens=True)
             bos = self.tokenizer.bos_token_id
             if bos is not None and ids[:1] != [bos]:  # as the chat template starts: some tokenizers add none
                 ids.insert(0, bos)
@@ -121,10 +127,14 @@ class TemplateStage:
                 )
             except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
                 raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(self._expand_text(text, images, where), add_special_tokens=False)
         if self.image_ids is None:
             if images:
                 raise InvalidRequest("this model takes no images", field=where)
+            return self._check_length(ids, where)
+        if self.image_text is not None:  # expanded already, in text
+            if ids.count(self.image_ids.image) != len(images) * self.image_text.num_tokens:
+                raise InvalidRequest("the text may not contain image tokens", field=where)
             return self._check_length(ids, where)
         try:
             ids = expand_image_tokens(ids, images, self.image_ids)
@@ -134,6 +144,18 @@ class TemplateStage:
                 field=where,
             ) from None
         return self._check_length(ids, where)
+
+    def _expand_text(self, text: str, images: Sequence[ImageGrid], where: str) -> str:
+        if self.image_text is None or self.image_ids is None:
+            return text
+        return self._expanded(self.image_text.expand_text, text, images, where=where)
+
+    @staticmethod
+    def _expanded(expand: Any, *args: Any, where: str) -> Any:
+        try:
+            return expand(*args)
+        except ValueError as exc:
+            raise InvalidRequest(f"image placeholders do not match the images ({exc})", field=where) from None
 
     def _check_length(self, ids: list[int], where: str) -> list[int]:
         if len(ids) > self.max_prompt_tokens:

@@ -6,6 +6,7 @@ The embedded default model and a user's checkpoint go through this same code.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -54,6 +55,11 @@ class Checkpoint:
         from transformers import AutoImageProcessor
 
         processor = AutoImageProcessor.from_pretrained(self.path)
+        pooled = getattr(self.config, "mm_tokens_per_image", None)
+        if pooled and self.vision_config is not None:
+            # the projector pools the tower's patches to a fixed square of tokens (Gemma 3): the image
+            # grid counts those, each this many pixels across
+            processor.patch_size = int(self.vision_config.image_size) // math.isqrt(int(pooled))
         if getattr(processor, "patch_size", None) is None and self.vision_config is not None:
             # a fixed-size processor (CLIP) knows no patches: the tower's patch makes the token grid
             processor.patch_size = int(self.vision_config.patch_size)

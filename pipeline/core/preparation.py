@@ -36,6 +36,7 @@ from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
+from vision.image_text import ImageText
 
 __all__ = ["Preparation", "PreparedInput", "PreparedRequest"]
 
@@ -84,7 +85,8 @@ class Preparation:
         self.fetch = build_fetch_stage(cfg)
         self.pool = build_image_pool(cfg, checkpoint, encoder, longest)
         self.decode = build_decode_stage(cfg, processor, longest, self.pool)
-        self.template = build_template_stage(cfg, tokenizer, self.image_token_id)
+        image_text = ImageText.from_checkpoint(checkpoint.config, tokenizer) if processor else None
+        self.template = build_template_stage(cfg, tokenizer, self.image_token_id, image_text)
         self.vision = build_vision_stage(cfg, encoder)
         self.encoder_cache = build_encoder_cache(cfg, checkpoint, encoder)
         self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer)

@@ -22,6 +22,7 @@ from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
+from vision.image_text import ImageText
 from vision.image_worker import ImageWorkerSpec
 from vision.preprocess import ImageTokenIds, preprocess_image
 
@@ -125,14 +126,18 @@ def build_decode_stage(
     )
 
 
-def build_template_stage(cfg: PipelineConfig, tokenizer: Any, image_token_id: int) -> TemplateStage:
-    """The template stage: messages to prompt token ids (``image_token_id`` < 0: a model without images)."""
+def build_template_stage(
+    cfg: PipelineConfig, tokenizer: Any, image_token_id: int, image_text: ImageText | None = None
+) -> TemplateStage:
+    """The template stage: messages to prompt token ids (``image_token_id`` < 0: a model without images;
+    ``image_text``: a layout expanded in text, Gemma 3's)."""
     return TemplateStage(
         tokenizer,
         ImageTokenIds.from_tokenizer(tokenizer, image_token_id) if image_token_id >= 0 else None,
         max_prompt_tokens=cfg.max_prompt_tokens,
         threads=cfg.template_threads,
         inline=cfg.inline_preparation,
+        image_text=image_text,
     )
 
 

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "build_family", "build_llava_clip", "build_mistral3", "build_tokenizer", "family_dirs"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "build_family",
+    "build_gemma3_vlm",
+    "build_llava_clip",
+    "build_mistral3",
+    "build_tokenizer",
+    "family_dirs",
+]
 
 SEED = 20
 VOCAB_SIZE = 384  # the model's embedding rows; the tokenizer uses fewer (BPE trained below)
@@ -38,8 +47,11 @@ def build_tokenizer(
     eos: str,
     unk: str | None = None,
     pad: str | None = None,
+    extra_corpus: tuple[str, ...] = (),
+    extra_special_tokens: dict[str, str] | None = None,
 ) -> Any:
-    """A byte-level BPE tokenizer (deterministic: trained on a fixed corpus) with ``specials`` first."""
+    """A byte-level BPE tokenizer (deterministic: trained on a fixed corpus) with ``specials`` first;
+    ``extra_special_tokens`` names some of them as the family's processor reads them (``boi_token``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,9 +64,16 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator([*_CORPUS, *extra_corpus] * 4, trainer=trainer)
+    named = {"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, chat_template=chat_template
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        pad_token=pad,
+        chat_template=chat_template,
+        **named,
     )
 
 
@@ -504,4 +523,85 @@ def build_llava_clip(folder: Path) -> Path:
     return folder
 
 
-_VLM_BUILDERS = {"mistral3": build_mistral3, "llava-clip": build_llava_clip}
+# Gemma 3's template, shortened: an image part is <start_of_image>, which the processor expands
+GEMMA3_VLM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}{{ '<start_of_image>' }}{% elif p['type'] == 'text' %}{{ p['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+GEMMA3_VLM_SPECIALS = [*_GEMMA_SPECIALS, "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_MM_TOKENS = 16  # per image: the tower's 8 x 8 patches average-pooled 2 x 2
+
+
+def build_gemma3_vlm(folder: Path) -> Path:
+    """Gemma 3: a SigLIP tower whose patches the projector average-pools to 16 tokens per image, a
+    Gemma 3 decoder with a sliding-window layer, and the Gemma 3 processor (fixed size, no pan and
+    scan). Its tokenizer merges runs of newlines, as Gemma's does, so the processor's "\\n\\n" around
+    each image joins the template's newline before it."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        GenerationConfig,
+        SiglipVisionConfig,
+    )
+
+    tokenizer = build_tokenizer(
+        GEMMA3_VLM_SPECIALS,
+        chat_template=GEMMA3_VLM_TEMPLATE,
+        bos="<bos>",
+        eos="<eos>",
+        pad="<pad>",
+        extra_corpus=("one\n\n", "two\n\n\n", "\n\n\n\n") * 4,
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in GEMMA3_VLM_SPECIALS}
+    text = _gemma_config(3)([ids["<pad>"], ids["<eos>"], ids["<bos>"]])
+    vision = SiglipVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=64,
+        patch_size=8,
+        vision_use_head=False,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_MM_TOKENS,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,  # tied, the tiny model repeats its last token
+    )
+    torch.manual_seed(SEED)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the projector starts at zero: images would not matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, INIT_RANGE)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    image_processor = Gemma3ImageProcessor(size={"height": 64, "width": 64}, do_pan_and_scan=False)
+    Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=GEMMA3_VLM_TEMPLATE,
+        image_seq_length=GEMMA3_MM_TOKENS,
+    ).save_pretrained(folder)
+    return folder
+
+
+_VLM_BUILDERS = {"mistral3": build_mistral3, "llava-clip": build_llava_clip, "gemma3-vlm": build_gemma3_vlm}

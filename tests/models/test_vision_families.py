@@ -44,6 +44,8 @@ def _reference(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> 
         ("mistral3", "process", "auto"),
         ("llava-clip", "thread", "transformers"),
         ("llava-clip", "process", "native"),
+        ("gemma3-vlm", "thread", "auto"),
+        ("gemma3-vlm", "process", "transformers"),
     ],
 )
 async def test_answers_about_two_images_and_text_are_transformers_own(
