@@ -44,7 +44,10 @@ def _expected(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> l
     return list(out[0, inputs["input_ids"].shape[1] :].tolist())
 
 
-@pytest.mark.parametrize(("family", "with_image"), [("qwen3", False), ("gemma3", False), ("mistral3", True)])
+@pytest.mark.parametrize(
+    ("family", "with_image"),
+    [("qwen3", False), ("gemma3", False), ("mistral3", True), ("gemma3-vlm", False), ("gemma3-vlm", True)],
+)
 async def test_the_served_answer_is_transformers_own(family: str, with_image: bool, family_dir: FamilyDir) -> None:
     folder = family_dir(family)
     image = make_image(96, 64, seed=7)
