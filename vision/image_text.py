@@ -36,7 +36,7 @@ class ImageText:
         values = [getattr(config, name, None) for name in names]
         if any(v is None for v in values):
             return None
-        boi, eoi, image, num_tokens = (int(v) for v in values)
+        boi, eoi, image, num_tokens = (int(v) for v in values if v is not None)
         boi_text, eoi_text, image_text = tokenizer.convert_ids_to_tokens([boi, eoi, image])
         return cls(
             placeholder=boi_text,
