@@ -61,7 +61,7 @@ def _reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
         yield read
 
 
-@pytest.mark.parametrize("family", ["mistral3", "llava-clip"])
+@pytest.mark.parametrize("family", ["mistral3", "llava-clip", "gemma3-vlm"])
 def test_the_encoder_reads_no_language_model_weights_and_encodes_as_the_whole_model(
     family: str, family_dir: FamilyDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
