@@ -116,8 +116,9 @@ class HFModelRunner(PagedRunner):
     ) -> torch.Tensor:
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
         ids = torch.tensor(token_ids, device=self.device)
-        if self.atomic_image_spans and image_rows is not None and image_rows.numel():
-            batch.image_spans = image_span_ids(ids, self.image_token_id, start)  # type: ignore[arg-type]
+        image = self.image_token_id
+        if self.atomic_image_spans and image is not None and image_rows is not None and image_rows.numel():
+            batch.image_spans = image_span_ids(ids, image, start)
         return self._forward(self._embed(ids, image_rows), batch, 1)
 
     @torch.inference_mode()

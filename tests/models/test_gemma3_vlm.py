@@ -112,6 +112,8 @@ def test_the_prompt_is_the_processors_own(folder: Path) -> None:
     assert ids == [40, *tokenizer.encode(layout.expansion, add_special_tokens=False), 41]
     with pytest.raises(InvalidRequest, match="placeholders do not match"):
         stage.render((), [], prompt="look: <start_of_image>")
+    with pytest.raises(InvalidRequest, match="may not contain image tokens"):
+        stage.render((), [grid], prompt="look: <start_of_image><image_soft_token>")
 
 
 def test_the_turn_ends_at_end_of_turn(folder: Path) -> None:
