@@ -139,7 +139,8 @@ class OneStepAhead:
                 row_of = {id(s): row for row, s in enumerate(previous.seqs)}
                 inputs = [row_of[id(s)] for s in seqs]
             tables = [list(s.block_table) for s in seqs]  # as they are now: the scheduler grows them in place
-            current.logits = self.device.submit(self._forward, current, previous, inputs, positions, tables)
+            deltas = [s.rope_delta for s in seqs]
+            current.logits = self.device.submit(self._forward, current, previous, inputs, positions, tables, deltas)
         except Exception as exc:  # failed when collected, like an exception on the device
             current.error = exc
         current.timing.prepare = time.perf_counter() - started
@@ -152,13 +153,19 @@ class OneStepAhead:
         inputs: list[int],
         positions: list[int],
         tables: list[list[int]],
+        deltas: list[int],
     ) -> torch.Tensor:
         """On the device thread: ``step``'s forward; ``inputs`` are token ids, or rows of ``previous``'s samples."""
         step.timing.idle += self.device.idle_before()
-        return self.parts.timed(step.timing, self._decode, previous, inputs, positions, tables)
+        return self.parts.timed(step.timing, self._decode, previous, inputs, positions, tables, deltas)
 
     def _decode(
-        self, previous: _InFlight | None, inputs: list[int], positions: list[int], tables: list[list[int]]
+        self,
+        previous: _InFlight | None,
+        inputs: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        deltas: list[int],
     ) -> torch.Tensor:
         if previous is None:
             ids: list[int] | torch.Tensor = inputs
@@ -166,7 +173,7 @@ class OneStepAhead:
             raise RuntimeError("the step before this one failed: its tokens are not there")
         else:
             ids = previous.ids if inputs == list(range(len(previous.seqs))) else previous.ids[inputs]
-        return self.parts.decode(ids, positions, tables)
+        return self.parts.decode(ids, positions, tables, deltas)
 
     def _fill_and_sample(self, step: _InFlight) -> None:
         """Fill ``step``'s bitmask from the matchers as they are now, while its forward runs, then queue

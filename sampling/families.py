@@ -53,6 +53,18 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForConditionalGeneration": Family(
         "Gemma 3", atomic_image_spans=True, vision_towers=("siglip_vision_model",)
     ),
+    # dynamic resolution: flattened patches and a grid per image, merged 2 x 2; M-RoPE positions
+    "Qwen2_5_VLForConditionalGeneration": Family(
+        "Qwen2.5-VL", position_scheme="mrope", tool_call_format="hermes", vision_towers=("qwen2_5_vl_vision",)
+    ),
+    # and DeepStack: the tower's features of some layers added after the decoder's first layers
+    "Qwen3VLForConditionalGeneration": Family(
+        "Qwen3-VL",
+        position_scheme="mrope",
+        extra_prefill_inputs=("deepstack_visual_embeds",),
+        tool_call_format="hermes",
+        vision_towers=("qwen3_vl_vision",),
+    ),
 }
 
 

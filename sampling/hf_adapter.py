@@ -91,14 +91,18 @@ class HFModelRunner(PagedRunner):
         self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
         self._allocate(num_blocks)
 
-    def _forward(self, embeds: torch.Tensor, batch: AttentionBatch, logits_to_keep: int) -> torch.Tensor:
+    def _forward(self, embeds: torch.Tensor, batch: AttentionBatch, logits_to_keep: int, **inputs: Any) -> torch.Tensor:
         """Logits ``[rows, vocab]`` in fp32 of the last ``logits_to_keep`` rows (0: all) of ``embeds``
-        ``[N, hidden]``, the step's tokens as one row at the positions of ``batch``."""
+        ``[N, hidden]``, the step's tokens as one row at the positions of ``batch`` (``inputs``: more
+        of the language model's inputs)."""
+        # position_ids: [1, N], or M-RoPE's [3, 1, N] (the text model expands [1, N] to three equal rows)
+        rope = batch.rope_positions
         out = self.decoder(
             inputs_embeds=embeds[None],
-            position_ids=batch.positions.reshape(1, -1),
+            position_ids=rope[:, None] if rope is not None else batch.positions.reshape(1, -1),
             use_cache=False,
             paged_step=PagedStep(batch, self.kv_caches),
+            **inputs,
         )
         hidden = out.last_hidden_state[0, -logits_to_keep:]
         logits = self.lm_head(hidden).float()
@@ -113,13 +117,34 @@ class HFModelRunner(PagedRunner):
         start: int,
         block_table: list[int],
         image_rows: torch.Tensor | None,
+        rope_positions: torch.Tensor | None = None,
+        extra_inputs: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``rope_positions``: the chunk's M-RoPE positions ``[3, len(token_ids)]``; ``extra_inputs``:
+        per-image-token inputs of the chunk (the registry's ``extra_prefill_inputs``)."""
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
+        if rope_positions is not None:
+            batch.rope_positions = rope_positions.to(self.device)
         ids = torch.tensor(token_ids, device=self.device)
         image = self.image_token_id
         if self.atomic_image_spans and image is not None and image_rows is not None and image_rows.numel():
             batch.image_spans = image_span_ids(ids, image, start)
-        return self._forward(self._embed(ids, image_rows), batch, 1)
+        inputs = self._extra_inputs(ids, extra_inputs or {})
+        return self._forward(self._embed(ids, image_rows), batch, 1, **inputs)
+
+    def _extra_inputs(self, ids: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The language model's keyword inputs for the chunk's per-image-token rows."""
+        deepstack = extra.get("deepstack_visual_embeds")
+        token = self.image_token_id
+        if deepstack is None or not deepstack.numel() or token is None:
+            return {}
+        # Qwen3-VL: rows [image tokens, layers, hidden] -> one [image tokens, hidden] per decoder layer,
+        # added to the hidden states at the image tokens (visual_pos_masks [1, N]) after that layer
+        rows = deepstack.to(self.device, self.dtype)
+        return {
+            "visual_pos_masks": torch.eq(ids, token)[None],
+            "deepstack_visual_embeds": list(rows.unbind(1)),
+        }
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from sampling.logits_process import TokenLogprob
 from sampling.params import SamplingParams
+from vision.mrope import MRopePositions
 
 __all__ = ["EngineInput", "ImageKey", "SeqOutput"]
 
@@ -19,6 +20,8 @@ class ImageKey:
 
     content_hash: str
     num_tokens: int  # its rows in ``image_embeds`` (and image tokens in the prompt), in prompt order
+    # its token grid (frames, down, across): where positions depend on it (M-RoPE), so does the K/V
+    grid_thw: tuple[int, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -35,6 +38,12 @@ class EngineInput:
     # the prompt's images by content, in order; empty: unknown, and KV blocks holding image tokens are
     # then never shared (sampling/prefix_cache.py)
     image_keys: list[ImageKey] = field(default_factory=list)
+    # M-RoPE positions of the prompt (3 x L and the decode offset), computed in preparation; None:
+    # the 1-D positions (a model without M-RoPE, or a prompt without images)
+    mrope: MRopePositions | None = None
+    # per-token prefill inputs beside the embeddings, one row per image token like ``image_embeds``
+    # (the registry's ``extra_prefill_inputs``: Qwen3-VL's ``deepstack_visual_embeds`` [rows, layers, hidden])
+    extra_prefill: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         num_image_tokens = sum(1 for t in self.prompt_token_ids if t == self.image_token_id)
@@ -43,6 +52,13 @@ class EngineInput:
             raise ValueError(f"{num_image_tokens} image tokens in the prompt but {rows} embedding rows")
         if self.image_keys and sum(k.num_tokens for k in self.image_keys) != rows:
             raise ValueError(f"image keys cover {sum(k.num_tokens for k in self.image_keys)} of {rows} rows")
+        if self.mrope is not None and tuple(self.mrope.positions.shape) != (3, len(self.prompt_token_ids)):
+            raise ValueError(
+                f"M-RoPE positions {tuple(self.mrope.positions.shape)} for {len(self.prompt_token_ids)} tokens"
+            )
+        for name, extra in self.extra_prefill.items():
+            if int(extra.shape[0]) != rows:
+                raise ValueError(f"{name} has {int(extra.shape[0])} rows for {rows} image tokens")
 
 
 @dataclass(slots=True)

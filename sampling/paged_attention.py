@@ -37,6 +37,9 @@ class AttentionBatch:
     # the visibility mask of each sliding window (None: none), built by the first layer that needs
     # it and reused by the others: every layer of a step sees the same keys
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    # [3, B * Tq] the positions the model's RoPE takes where they are not the cache indices (M-RoPE:
+    # temporal, height, width); None: ``positions``. Masks and slots stay on the cache indices.
+    rope_positions: torch.Tensor | None = None
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """``[B, 1, Tq, L]``: a key is visible if it belongs to the row, is not in its future (or is

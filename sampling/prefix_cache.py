@@ -2,8 +2,10 @@
 
 The key of block i hashes the key of block i - 1 and the block's token ids, so equal keys mean equal
 prefixes, and the K/V of a block depends on nothing else. Image tokens all share one id; a block
-holding some also hashes, for each image it overlaps, the image's content hash and which of its
-embedding rows fall in the block, so two different images never share KV. A block with image tokens
+holding some also hashes, for each image it overlaps, the image's content hash, its token grid and
+which of its embedding rows fall in the block, so two different images never share KV. With M-RoPE
+the positions of an image's tokens and of every token after it are a function of the tokens and the
+grids before them, all of which the chain holds: equal keys mean equal positions too. A block with image tokens
 of unknown content (an engine input without ``image_keys``) ends the chain: it and every block
 after it are never shared.
 
@@ -61,6 +63,7 @@ def _hash_images(h: hashlib.blake2b, seq: Sequence, first_row: int, num_rows: in
     for key in keys:
         lo, hi = max(first_row, row), min(end, row + key.num_tokens)
         if lo < hi:
-            h.update(f"{key.content_hash}:{lo - row}:{hi - row};".encode())
+            # the grid too: M-RoPE positions (so the K/V) of the image and all after it depend on it
+            h.update(f"{key.content_hash}:{key.grid_thw}:{lo - row}:{hi - row};".encode())
         row += key.num_tokens
     return True

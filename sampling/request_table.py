@@ -110,6 +110,8 @@ class RequestTable:
             stop=StopChecker(inp.sampling.stop),
             num_siblings=num_siblings,
             image_keys=list(inp.image_keys),
+            mrope=inp.mrope,
+            extra_prefill=inp.extra_prefill,
             grammar_trigger=inp.grammar_trigger,
             grammar_start=0 if inp.grammar_trigger is None else None,
         )

@@ -12,6 +12,7 @@ from sampling.detokenizer import Detokenizer
 from sampling.inputs import ImageKey
 from sampling.params import SamplingParams
 from sampling.stop import StopChecker
+from vision.mrope import MRopePositions
 
 __all__ = ["SeqState", "Sequence"]
 
@@ -56,6 +57,9 @@ class Sequence:
     num_hashed_image_rows: int = 0
     is_chain_broken: bool = False
     num_registered: int = 0
+    # M-RoPE positions of the prompt (None: 1-D), and per-image-token prefill inputs (EngineInput)
+    mrope: MRopePositions | None = None
+    extra_prefill: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,31 @@ class Sequence:
         """Embedding rows of the prompt's image tokens that fall in positions ``[start, end)``."""
         if self.image_embeds is None or image_token_id is None or start >= len(self.prompt_ids):
             return None
+        return self.image_embeds[self._image_span(start, end, image_token_id)]
+
+    def extra_rows(self, start: int, end: int, image_token_id: int | None) -> dict[str, torch.Tensor]:
+        """The rows of each extra prefill input for the image tokens in ``[start, end)``."""
+        if not self.extra_prefill or image_token_id is None or start >= len(self.prompt_ids):
+            return {}
+        span = self._image_span(start, end, image_token_id)
+        return {name: rows[span] for name, rows in self.extra_prefill.items()}
+
+    def _image_span(self, start: int, end: int, image_token_id: int) -> slice:
         before = sum(1 for t in self.prompt_ids[:start] if t == image_token_id)
         inside = sum(1 for t in self.prompt_ids[start:end] if t == image_token_id)
-        return self.image_embeds[before : before + inside]
+        return slice(before, before + inside)
+
+    @property
+    def rope_delta(self) -> int:
+        """The offset of the model's RoPE position past the prompt (M-RoPE), else 0."""
+        return self.mrope.delta if self.mrope is not None else 0
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor | None:
+        """``[3, end - start]`` M-RoPE positions of ``[start, end)`` (past the prompt: the 1-D index
+        plus the delta on every row, as on a replay after a preemption); None for 1-D positions."""
+        if self.mrope is None:
+            return None
+        prompt = self.mrope.positions[:, start:end]
+        first = max(start, len(self.prompt_ids))
+        past = torch.arange(first, max(first, end)) + self.mrope.delta
+        return torch.cat([prompt, past.expand(3, -1)], dim=1)

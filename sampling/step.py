@@ -110,7 +110,15 @@ class StepParts:
             seq = step.seq
             chunk = seq.tokens(step.start, step.end)
             image_rows = seq.image_rows(step.start, step.end, runner.image_token_id)
-            forward = functools.partial(runner.prefill, chunk, step.start, seq.block_table, image_rows)
+            # M-RoPE positions and extra inputs (DeepStack) sliced to the chunk, where the sequence has them
+            extra: dict[str, Any] = {}
+            rope = seq.rope_positions(step.start, step.end)
+            if rope is not None:
+                extra["rope_positions"] = rope
+            extra_rows = seq.extra_rows(step.start, step.end, runner.image_token_id)
+            if extra_rows:
+                extra["extra_inputs"] = extra_rows
+            forward = functools.partial(runner.prefill, chunk, step.start, seq.block_table, image_rows, **extra)
             if not step.is_last_chunk:
                 self.timed(timing, forward)
                 seq.num_computed = step.end
@@ -145,14 +153,28 @@ class StepParts:
         timing.batch = len(seqs)
         return seqs, logits, filled
 
-    def decode(self, ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """The decode forward of ``ids`` at ``positions``: its inputs are built beside it, on the same thread."""
-        return self.runner.decode(ids, self.runner.decode_inputs(positions, tables))
+    def decode(
+        self,
+        ids: list[int] | torch.Tensor,
+        positions: list[int],
+        tables: list[list[int]],
+        rope_deltas: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The decode forward of ``ids`` at ``positions``: its inputs are built beside it, on the same thread.
+        ``rope_deltas``: each row's M-RoPE offset (its RoPE position is its position plus it)."""
+        batch = self.runner.decode_inputs(positions, tables)
+        if rope_deltas is not None and any(rope_deltas):
+            rope = torch.tensor([p + d for p, d in zip(positions, rope_deltas, strict=True)])
+            batch.rope_positions = rope.expand(3, -1).to(self.runner.device)
+        return self.runner.decode(ids, batch)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         positions = [s.num_tokens - 1 for s in seqs]
         return self.decode(
-            [s.token_at(p) for s, p in zip(seqs, positions, strict=True)], positions, [s.block_table for s in seqs]
+            [s.token_at(p) for s, p in zip(seqs, positions, strict=True)],
+            positions,
+            [s.block_table for s in seqs],
+            [s.rope_delta for s in seqs],
         )
 
     def timed(self, timing: StepTiming, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:

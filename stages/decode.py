@@ -47,7 +47,14 @@ class DecodeStage:
             data, max_pixels=self.max_pixels, target_longest_edge=self.target_longest_edge, field=field
         )
         check_scalable(image.size, self.target_longest_edge, field)
-        return self.transform(image) if self.transform is not None else image
+        if self.transform is None:
+            return image
+        try:
+            return self.transform(image)
+        except PipelineError as exc:  # the transform knows the image, not the request field it came in
+            if exc.field is None:
+                exc.field = field
+            raise
 
     async def run(self, data: bytes, *, field: str) -> Any:
         """The decoded RGB ``PIL.Image`` (or its transform; with a pool, its ``PreparedImage``).

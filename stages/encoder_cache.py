@@ -31,12 +31,12 @@ class EncodedImage:
 
     content_hash: str
     embeds: torch.Tensor  # [num_patches, hidden] on the CPU
-    num_rows: int  # patches down
-    num_cols: int  # patches across
+    grid_thw: tuple[int, int, int]  # its token grid: frames, down, across (vision/preprocess.py)
 
     @property
     def num_patches(self) -> int:
-        return self.num_rows * self.num_cols
+        t, h, w = self.grid_thw
+        return t * h * w
 
     @property
     def nbytes(self) -> int:

@@ -273,8 +273,8 @@ class ImagePool:
         else:
             tensor = worker.outbox.read_tensor(reply.shape, reply.dtype)
         if reply.is_embeds:
-            return PreparedImage(None, reply.num_rows, reply.num_cols, embeds=tensor)
-        return PreparedImage(tensor, reply.num_rows, reply.num_cols)
+            return PreparedImage(None, reply.grid_thw, embeds=tensor)
+        return PreparedImage(tensor, reply.grid_thw)
 
     async def _start(self, worker: _Worker) -> None:
         if self._closed:

@@ -1,7 +1,12 @@
 """The vision encoder of a checkpoint: for Llava with a Pixtral tower (its last layer, every patch),
 transformers' tower and projector modules loaded alone from the checkpoint's weights; for other
 families, the checkpoint's own transformers model built and loaded without its language model,
-encoding through its own ``get_image_features`` (tower + projector or patch merger)."""
+encoding through its own ``get_image_features`` (tower + projector or patch merger).
+
+Qwen3-VL's tower also gives DeepStack features, one ``[tokens, hidden]`` map per layer it feeds: they
+travel beside each token's embedding in the same row, ``[tokens, (1 + num_deepstack) * hidden]``, so
+one tensor per image crosses the worker's slab and sits in the encoder cache; the engine input splits
+them off (``split_deepstack``)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,18 @@ from torch import nn
 from vision.checkpoint import Checkpoint
 from vision.preprocess import PreparedImage
 
-__all__ = ["VisionEncoder"]
+__all__ = ["VisionEncoder", "split_deepstack"]
+
+# vision towers that take flattened patches and their grid (vision/grid_images.py)
+_GRID_TOWERS = ("qwen2_5_vl_vision", "qwen3_vl_vision")
+
+
+def split_deepstack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The embeddings ``[tokens, hidden]`` of packed encoder rows, and their DeepStack features
+    ``[tokens, num_deepstack, hidden]`` (None when there are none)."""
+    if rows.shape[-1] == hidden:
+        return rows, None
+    return rows[:, :hidden], rows[:, hidden:].reshape(rows.shape[0], -1, hidden)
 
 
 class VisionEncoder:
@@ -32,6 +48,9 @@ class VisionEncoder:
         self.text_hidden_size = int(checkpoint.text_config.hidden_size)
         self.model: Any = None
         self.takes_sizes = checkpoint.vision_config.model_type == "pixtral"
+        # a tower of flattened patches takes their grid in patches: the token grid times the merge
+        is_grid = checkpoint.vision_config.model_type in _GRID_TOWERS
+        self.grid_merge = int(checkpoint.vision_config.spatial_merge_size) if is_grid else 0
         # the tower's last hidden state of every patch through the projector: what Llava's
         # get_image_features computes then, without loading the language model's weights at all
         towers_alone = (config.model_type, checkpoint.vision_config.model_type) == ("llava", "pixtral") and (
@@ -52,7 +71,8 @@ class VisionEncoder:
         return self.text_hidden_size
 
     def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
-        """One tensor ``[num_patches, hidden]`` per image, on the CPU in the model's dtype.
+        """One tensor ``[num_patches, hidden]`` per image (DeepStack features packed beside: see
+        the module's docstring), on the CPU in the model's dtype.
 
         The tower runs once per image: transformers' Pixtral tower packs a batch into one sequence
         under a block-diagonal mask, so its attention cost grows with the square of the whole
@@ -65,6 +85,8 @@ class VisionEncoder:
     def _encode_one(self, image: PreparedImage) -> torch.Tensor:
         if image.pixel_values is None:
             raise ValueError("the image has no pixels to encode")
+        if self.grid_merge:
+            return self._encode_grid(image)
         # pixel_values: [1, 3, H, W]
         pixels = image.pixel_values[None].to(self.device, self.dtype, non_blocking=True)
         if self.model is not None:
@@ -75,6 +97,19 @@ class VisionEncoder:
         out: Any = self.tower(pixels, image_sizes=[tuple(image.pixel_values.shape[1:])])
         # last_hidden_state: [1, num_patches, vision_hidden]
         return self.projector(out.last_hidden_state[0]).to("cpu")
+
+    def _encode_grid(self, image: PreparedImage) -> torch.Tensor:
+        assert image.pixel_values is not None
+        t, h, w = image.grid_thw
+        merge = self.grid_merge
+        # pixel_values: [num_patches, patch_dim]; the grid in patches, before the merger
+        features: Any = self.model.get_image_features(
+            pixel_values=image.pixel_values.to(self.device, self.dtype, non_blocking=True),
+            image_grid_thw=torch.tensor([[t, h * merge, w * merge]], device=self.device),
+        )
+        deepstack = getattr(features, "deepstack_features", None) or []
+        # [tokens, hidden] each: the embeddings, then every DeepStack layer's features
+        return torch.cat([features.pooler_output[0], *(layer[0] for layer in deepstack)], dim=-1).to("cpu")
 
 
 def _load_without_language_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> Any:

@@ -49,7 +49,8 @@ class ImageText:
         if num_placeholders != len(images):
             raise ValueError(f"{num_placeholders} image placeholders for {len(images)} images")
         for image in images:
-            num_tokens = image.num_rows * image.num_cols
+            frames, rows, cols = image.grid_thw
+            num_tokens = frames * rows * cols
             if num_tokens != self.num_tokens:
                 raise ValueError(f"an image of {num_tokens} tokens; the model takes {self.num_tokens}")
 

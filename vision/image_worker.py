@@ -39,11 +39,12 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import PipelineError
+from vision.preprocess import GridThw
 from vision.slab import Slab
 
 __all__ = ["ImageReply", "ImageTask", "ImageWorkerSpec", "main", "worker_main"]
 
-ImageFn = Callable[[bytes, str], tuple[torch.Tensor, int, int, bool]]
+ImageFn = Callable[[bytes, str], tuple[torch.Tensor, GridThw, bool]]
 _PR_SET_PDEATHSIG = 1
 _FIRST_OUTPUT_SLAB = 8 * 1024 * 1024
 
@@ -67,9 +68,8 @@ class ImageReply:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    num_rows: int
-    num_cols: int
-    is_embeds: bool  # the tensor is the encoder's output [patches, hidden], else pixels [3, H, W]
+    grid_thw: GridThw  # the image's token grid (vision/preprocess.py)
+    is_embeds: bool  # the tensor is the encoder's output [tokens, hidden], else the processor's pixels
     cpu_s: float  # the worker's CPU time for the job
     new_slab: bool  # a bigger output slab's fd follows this reply
 
@@ -86,7 +86,7 @@ class ImageTask:
         self.processor = checkpoint.image_processor
         self.encoder = VisionEncoder(checkpoint, device="cpu") if spec.encode else None
 
-    def __call__(self, data: bytes, field: str) -> tuple[torch.Tensor, int, int, bool]:
+    def __call__(self, data: bytes, field: str) -> tuple[torch.Tensor, GridThw, bool]:
         from vision.image_io import check_scalable, decode_image
         from vision.preprocess import preprocess_image
 
@@ -95,11 +95,11 @@ class ImageTask:
             data, max_pixels=spec.max_pixels, target_longest_edge=spec.target_longest_edge, field=field
         )
         check_scalable(image.size, spec.target_longest_edge, field)
-        prepared = preprocess_image(self.processor, image)
+        prepared = preprocess_image(self.processor, image, field=field)
         assert prepared.pixel_values is not None
         if self.encoder is None:
-            return prepared.pixel_values, prepared.num_rows, prepared.num_cols, False
-        return self.encoder.encode([prepared])[0], prepared.num_rows, prepared.num_cols, True
+            return prepared.pixel_values, prepared.grid_thw, False
+        return self.encoder.encode([prepared])[0], prepared.grid_thw, True
 
 
 def _load_task(spec: ImageWorkerSpec) -> ImageFn:
@@ -158,7 +158,7 @@ def _serve(
 ) -> Slab:
     started = time.thread_time()
     try:
-        tensor, rows, cols, is_embeds = task(inbox.read_bytes(num_bytes), field)
+        tensor, grid_thw, is_embeds = task(inbox.read_bytes(num_bytes), field)
     except PipelineError as exc:
         conn.send(("error", type(exc).__name__, exc.message, exc.field))
         return outbox
@@ -171,7 +171,7 @@ def _serve(
         old, outbox = outbox, Slab.create("prep-output", max(nbytes, 2 * outbox.size))
         old.close()
     outbox.write_tensor(tensor)
-    reply = ImageReply(tuple(tensor.shape), tensor.dtype, rows, cols, is_embeds, time.thread_time() - started, grown)
+    reply = ImageReply(tuple(tensor.shape), tensor.dtype, grid_thw, is_embeds, time.thread_time() - started, grown)
     conn.send(("ok", reply))
     if grown:
         send_handle(conn, outbox.fd, parent_pid)

@@ -9,30 +9,53 @@ from typing import Any, Protocol
 import torch
 from PIL import Image
 
-__all__ = ["ImageGrid", "ImageTokenIds", "PreparedImage", "expand_image_tokens", "preprocess_image"]
+from vision.grid_images import is_grid_processor, preprocess_grid_image
+
+__all__ = [
+    "GridThw",
+    "ImageGrid",
+    "ImageTokenIds",
+    "PreparedImage",
+    "expand_image_tokens",
+    "preprocess_image",
+    "target_longest_edge",
+]
+
+# an image's token grid: frames, rows, columns (1 frame for a still image)
+GridThw = tuple[int, int, int]
 
 
 class ImageGrid(Protocol):
-    """What the prompt needs of an image: its patch grid (a prepared image, or a cached encoding)."""
+    """What the prompt needs of an image: its token grid (a prepared image, or a cached encoding)."""
 
     @property
-    def num_rows(self) -> int: ...
-
-    @property
-    def num_cols(self) -> int: ...
+    def grid_thw(self) -> GridThw: ...
 
 
 @dataclass(frozen=True, slots=True)
 class PreparedImage:
-    pixel_values: torch.Tensor | None  # [3, H, W], H and W multiples of the patch size; None once encoded
-    num_rows: int  # patches down
-    num_cols: int  # patches across
-    # [num_patches, hidden]: the encoder's output where a preparation worker already ran it
+    # [3, H, W] (H and W multiples of the patch size), or the flattened patches [num_patches,
+    # patch_dim] of a dynamic-resolution processor (Qwen2-VL family); None once encoded
+    pixel_values: torch.Tensor | None
+    # tokens (frames, down, across) the prompt gives the image: patches, or merged patches where the
+    # model merges them (Mistral 3, Qwen-VL)
+    grid_thw: GridThw
+    # [num_tokens, hidden]: the encoder's output where a preparation worker already ran it
     embeds: torch.Tensor | None = None
 
     @property
+    def num_rows(self) -> int:
+        return self.grid_thw[1]
+
+    @property
+    def num_cols(self) -> int:
+        return self.grid_thw[2]
+
+    @property
     def num_patches(self) -> int:
-        return self.num_rows * self.num_cols
+        """Tokens of the image in the prompt (its embedding rows)."""
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +84,26 @@ class ImageTokenIds:
         return cls(image=image_token_id, row_break=found["[IMG_BREAK]"], image_end=found["[IMG_END]"])
 
 
-def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
+def target_longest_edge(processor: Any) -> int | None:
+    """The longest edge, in pixels, the processor resizes images to (None: it has none, or it
+    bounds pixel counts instead, as the Qwen2-VL family does)."""
+    if processor is None or is_grid_processor(processor):
+        return None
+    edge = (getattr(processor, "size", None) or {}).get("longest_edge")
+    return int(edge) if edge is not None else None
+
+
+def preprocess_image(processor: Any, image: Image.Image, *, field: str | None = None) -> PreparedImage:
     """Resize, rescale and normalise one RGB image with the checkpoint's processor (CPU, ~ms).
 
     Where the model merges ``spatial_merge_size``² patches into one token (Mistral 3), the image is
-    resized to whole merged patches and its grid counts tokens, as the model's processor does."""
+    resized to whole merged patches and its grid counts tokens, as the model's processor does.
+
+    :raises ImageDecodeError: (dynamic-resolution processors) an image it cannot patch, naming ``field``.
+    """
+    if is_grid_processor(processor):
+        patches, grid = preprocess_grid_image(processor, image, field)
+        return PreparedImage(pixel_values=patches, grid_thw=grid)
     patch = processor.patch_size
     merge = int(getattr(processor, "spatial_merge_size", 1) or 1)
     patch_h = (patch["height"] if isinstance(patch, dict) else patch) * merge
@@ -80,14 +118,15 @@ def preprocess_image(processor: Any, image: Image.Image) -> PreparedImage:
     else:  # a fixed size (CLIP): one token per patch of the whole picture
         height, width = out["pixel_values"].shape[-2:]
     pixels = out["pixel_values"][0][:, :height, :width].contiguous()
-    return PreparedImage(pixel_values=pixels, num_rows=height // patch_h, num_cols=width // patch_w)
+    return PreparedImage(pixel_values=pixels, grid_thw=(1, height // patch_h, width // patch_w))
 
 
 def expand_image_tokens(token_ids: list[int], images: Sequence[ImageGrid], ids: ImageTokenIds) -> list[int]:
     """Replace the i-th ``[IMG]`` placeholder with the i-th image's grid of tokens.
 
     Pixtral's layout: each row is ``num_cols`` × ``[IMG]`` then ``[IMG_BREAK]``; the last row ends
-    with ``[IMG_END]`` instead. Without break tokens the rows follow each other (Llava with CLIP).
+    with ``[IMG_END]`` instead. Without break tokens the rows (of every frame) follow each other
+    (Llava with CLIP; Qwen-VL, whose template wraps the placeholder in its vision start and end).
 
     :raises ValueError: if the number of placeholders differs from the number of images.
     """
@@ -100,11 +139,11 @@ def expand_image_tokens(token_ids: list[int], images: Sequence[ImageGrid], ids: 
         if token != ids.image:
             out.append(token)
             continue
-        image = next(next_image)
-        row = [ids.image] * image.num_cols
-        for r in range(image.num_rows):
+        frames, num_rows, num_cols = next(next_image).grid_thw
+        row = [ids.image] * num_cols
+        for r in range(frames * num_rows):
             out.extend(row)
-            closing = ids.image_end if r == image.num_rows - 1 else ids.row_break
+            closing = ids.image_end if r == frames * num_rows - 1 else ids.row_break
             if closing is not None:
                 out.append(closing)
     return out

@@ -98,13 +98,13 @@ class ImageSteps:
         encoded = await self.vision.encode_each(list(todo.values())) if todo else []
         done: dict[str, EncodedImage] = {}
         for (h, im), embeds in zip(todo.items(), encoded, strict=True):
-            done[h] = EncodedImage(h, embeds, im.num_rows, im.num_cols)
+            done[h] = EncodedImage(h, embeds, im.grid_thw)
             flight = out.flights.pop(h, None)
             if flight is not None and self.cache is not None:
                 self.cache.fulfil(flight, done[h])
         images = [im if isinstance(im, EncodedImage) else done[h] for h, im in zip(out.hashes, out.images, strict=True)]
         out.embeds = torch.cat([im.embeds for im in images])
-        out.keys = [ImageKey(im.content_hash, im.num_patches) for im in images]
+        out.keys = [ImageKey(im.content_hash, im.num_patches, im.grid_thw) for im in images]
         out.images = []
 
     def release(self, out: RequestImages) -> None:

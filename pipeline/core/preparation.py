@@ -32,11 +32,14 @@ from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Outcome
 from pipeline.protocol.request import ChatRequest
+from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint
-from vision.encoder import VisionEncoder
+from vision.encoder import VisionEncoder, split_deepstack
 from vision.image_text import ImageText
+from vision.mrope import MRopeIndex, MRopePositions
+from vision.preprocess import target_longest_edge
 
 __all__ = ["Preparation", "PreparedInput", "PreparedRequest"]
 
@@ -51,6 +54,7 @@ class PreparedRequest:
     images: RequestImages = field(default_factory=RequestImages)
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
+    mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +84,12 @@ class Preparation:
         self.tracer = tracer
         tokenizer = checkpoint.tokenizer
         self.image_token_id = checkpoint.image_token_id if checkpoint.image_token_id is not None else -1
+        self.hidden_size = int(checkpoint.text_config.hidden_size)
+        # M-RoPE: positions depend on the image grids, so they are computed here, with the prompt
+        mrope = family_of(checkpoint).position_scheme == "mrope" and self.image_token_id >= 0
+        self.rope_index = MRopeIndex(checkpoint.config, self.image_token_id) if mrope else None
         processor = checkpoint.image_processor
-        longest = (getattr(processor, "size", None) or {}).get("longest_edge") if processor else None
+        longest = target_longest_edge(processor)
         self.fetch = build_fetch_stage(cfg)
         self.pool = build_image_pool(cfg, checkpoint, encoder, longest)
         self.decode = build_decode_stage(cfg, processor, longest, self.pool)
@@ -197,6 +205,9 @@ class Preparation:
             prep.prompt_ids += self.template.marker_ids(plan.format.marker)  # the turn opens with its calls
         sampling, where = request.sampling, "messages" if request.prompt is None else "prompt"
         check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens, where)
+        grids = [image.grid_thw for image in prep.images.images]
+        if self.rope_index is not None and grids:
+            prep.mrope = await self.template.offload.run(self.rope_index, prep.prompt_ids, grids)
 
     async def _vision_step(self, job: Job[PreparedRequest]) -> None:
         await self.images.vision_step(job.payload.images)
@@ -257,15 +268,20 @@ class Preparation:
             raise job.error
         request = prep.request
         constraint = prep.grammar.get()
+        embeds, deepstack = (None, None)
+        if prep.images.embeds is not None:  # Qwen3-VL's encoder packs its DeepStack features beside
+            embeds, deepstack = split_deepstack(prep.images.embeds, self.hidden_size)
         inp = EngineInput(
             request_id=request.request_id,
             prompt_token_ids=prep.prompt_ids,
             image_token_id=self.image_token_id,
-            image_embeds=prep.images.embeds,
+            image_embeds=embeds,
             sampling=request.sampling,
             grammar=constraint.grammar if constraint is not None else None,
             grammar_trigger=self._grammar_trigger(request),
             timings=dict(job.timings),
             image_keys=prep.images.keys,
+            mrope=prep.mrope,
+            extra_prefill={"deepstack_visual_embeds": deepstack} if deepstack is not None else {},
         )
         return PreparedInput(inp, constraint)

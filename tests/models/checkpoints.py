@@ -604,4 +604,19 @@ def build_gemma3_vlm(folder: Path) -> Path:
     return folder
 
 
-_VLM_BUILDERS = {"mistral3": build_mistral3, "llava-clip": build_llava_clip, "gemma3-vlm": build_gemma3_vlm}
+def _build_qwen_vl(version: str) -> Callable[[Path], Path]:
+    def build(folder: Path) -> Path:
+        from tests.models import qwen_vl_checkpoints as qwen  # it builds on this module's tokenizer
+
+        return qwen.build_qwen2_5_vl(folder) if version == "2.5" else qwen.build_qwen3_vl(folder)
+
+    return build
+
+
+_VLM_BUILDERS = {
+    "mistral3": build_mistral3,
+    "llava-clip": build_llava_clip,
+    "gemma3-vlm": build_gemma3_vlm,
+    "qwen2.5-vl": _build_qwen_vl("2.5"),
+    "qwen3-vl": _build_qwen_vl("3"),
+}

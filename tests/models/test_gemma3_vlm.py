@@ -96,7 +96,7 @@ def test_the_prompt_is_the_processors_own(folder: Path) -> None:
         threads=1,
         image_text=layout,
     )
-    grid = PreparedImage(None, 4, 4)
+    grid = PreparedImage(None, (1, 4, 4))
     merged = {t: tokenizer.convert_tokens_to_ids(t) for t in ("ĊĊĊ", "ĊĊĊĊ")}
     for parts, images in PROMPTS:
         expected = _inputs(folder, parts, images)["input_ids"][0].tolist()

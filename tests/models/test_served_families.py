@@ -46,7 +46,15 @@ def _expected(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> l
 
 @pytest.mark.parametrize(
     ("family", "with_image"),
-    [("qwen3", False), ("gemma3", False), ("mistral3", True), ("gemma3-vlm", False), ("gemma3-vlm", True)],
+    [
+        ("qwen3", False),
+        ("gemma3", False),
+        ("mistral3", True),
+        ("gemma3-vlm", False),
+        ("gemma3-vlm", True),
+        ("qwen2.5-vl", True),
+        ("qwen3-vl", True),
+    ],
 )
 async def test_the_served_answer_is_transformers_own(family: str, with_image: bool, family_dir: FamilyDir) -> None:
     folder = family_dir(family)

@@ -46,6 +46,10 @@ def _reference(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> 
         ("llava-clip", "process", "native"),
         ("gemma3-vlm", "thread", "auto"),
         ("gemma3-vlm", "process", "transformers"),
+        ("qwen2.5-vl", "thread", "auto"),
+        ("qwen2.5-vl", "process", "auto"),
+        ("qwen3-vl", "thread", "auto"),
+        ("qwen3-vl", "process", "auto"),
     ],
 )
 async def test_answers_about_two_images_and_text_are_transformers_own(

@@ -21,13 +21,13 @@ from pipeline.errors import ImageDecodeError
 __all__ = ["crash_on_width_48", "scripted"]
 
 
-def crash_on_width_48(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, int, int, bool]]:
+def crash_on_width_48(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, tuple[int, int, int], bool]]:
     """The real job, but the process dies (as in a codec crash) on any image 48 pixels wide."""
     from vision.image_worker import ImageTask
 
     real = ImageTask(spec)
 
-    def run(data: bytes, field: str) -> tuple[torch.Tensor, int, int, bool]:
+    def run(data: bytes, field: str) -> tuple[torch.Tensor, tuple[int, int, int], bool]:
         from PIL import Image
 
         if Image.open(io.BytesIO(data)).size[0] == 48:
@@ -37,8 +37,8 @@ def crash_on_width_48(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, i
     return run
 
 
-def scripted(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, int, int, bool]]:
-    def run(data: bytes, field: str) -> tuple[torch.Tensor, int, int, bool]:
+def scripted(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, tuple[int, int, int], bool]]:
+    def run(data: bytes, field: str) -> tuple[torch.Tensor, tuple[int, int, int], bool]:
         command, _, arg = data.decode().partition(":")
         if command == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -50,7 +50,7 @@ def scripted(spec: Any) -> Callable[[bytes, str], tuple[torch.Tensor, int, int, 
         if command == "bad":
             raise ImageDecodeError("not an image", field=field)
         if command == "big":  # more than the first output slab holds: the worker sends a bigger one
-            return torch.arange(4 * 1024 * 1024, dtype=torch.float32).view(-1, 1024), 1, 1, True
-        return torch.full((2, 3), float(len(data))), 1, 2, True
+            return torch.arange(4 * 1024 * 1024, dtype=torch.float32).view(-1, 1024), (1, 1, 1), True
+        return torch.full((2, 3), float(len(data))), (1, 1, 2), True
 
     return run

@@ -8,7 +8,7 @@ from stages.encoder_cache import EncodedImage, EncoderCache, Flight
 
 
 def encoded(h: str, rows: int = 2, cols: int = 2, hidden: int = 4) -> EncodedImage:
-    return EncodedImage(h, torch.full((rows * cols, hidden), float(len(h))), rows, cols)
+    return EncodedImage(h, torch.full((rows * cols, hidden), float(len(h))), (1, rows, cols))
 
 
 async def test_hash_is_by_content_inline_or_in_a_thread() -> None:

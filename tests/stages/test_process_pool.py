@@ -81,7 +81,7 @@ async def test_the_pool_prepares_as_the_serving_process_would(checkpoint: Checkp
     with anyio.fail_after(120):
         encoded = await pool_factory(_spec(checkpoint), size=1).run(data, field="f")
         pixels = await pool_factory(_spec(checkpoint, encode=False), size=1).run(data, field="f")
-    assert (encoded.num_rows, encoded.num_cols) == (image.num_rows, image.num_cols)
+    assert encoded.grid_thw == image.grid_thw
     assert encoded.pixel_values is None and encoded.embeds is not None
     torch.testing.assert_close(encoded.embeds, expected)  # one thread in the worker: sums may round differently
     assert pixels.embeds is None and pixels.pixel_values is not None

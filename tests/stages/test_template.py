@@ -12,7 +12,7 @@ from vision.preprocess import ImageTokenIds, PreparedImage
 
 
 def image(rows: int, cols: int) -> PreparedImage:
-    return PreparedImage(torch.zeros(3, rows * 16, cols * 16), rows, cols)
+    return PreparedImage(torch.zeros(3, rows * 16, cols * 16), (1, rows, cols))
 
 
 @pytest.fixture
