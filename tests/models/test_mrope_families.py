@@ -142,7 +142,7 @@ def test_logits_match_transformers(family: str, family_dir: FamilyDir) -> None:
     torch.testing.assert_close(logits[0], expected[length - 1], atol=ATOL, rtol=0)
 
 
-def _engine(folder: Path, num_kv_blocks: int, prefix_caching: bool = True) -> LLMEngine:
+def _engine(folder: Path, num_kv_blocks: int, prefix_caching: bool = True, one_step_ahead: bool = False) -> LLMEngine:
     config = PipelineConfig(
         model=str(folder),
         device="cpu",
@@ -151,6 +151,7 @@ def _engine(folder: Path, num_kv_blocks: int, prefix_caching: bool = True) -> LL
         max_model_len=256,
         prefill_chunk_tokens=16,  # every image prompt prefills in chunks that cut through its images
         prefix_caching=prefix_caching,
+        engine_one_step_ahead=one_step_ahead,
     )
     return build_llm_engine(Checkpoint(folder), config, device="cpu")
 
@@ -208,6 +209,11 @@ def test_preemption_n3_and_a_prefix_hit_answer_as_generate(family: str, family_d
     outputs = _run(engine, [_input(n, c, token, temperature=0.0) for n, c in cases.items()])
     assert engine.scheduler.num_preemptions > 0
     assert {k[0]: o.token_ids for k, o in outputs.items()} == expected
+    # the one-step-ahead loop: each decode row's RoPE offset goes with its launch
+    ahead = _run(
+        _engine(folder, 64, one_step_ahead=True), [_input(n, c, token, temperature=0.0) for n, c in cases.items()]
+    )
+    assert {k[0]: o.token_ids for k, o in ahead.items()} == expected
     # n = 3: one prefill forked into three greedy copies
     engine = _engine(folder, num_kv_blocks=64)
     greedy = _run(engine, [_input("g", cases["two"], token, temperature=0.0, n=3)])

@@ -19,8 +19,8 @@ from pipeline.core.pipeline import Pipeline
 from pipeline.protocol.tool_calls import CallReader
 
 FamilyDir = Callable[[str], Path]
-FAMILIES = ["qwen3", "llama3.1", "qwen2.5-vl"]
-ARGUMENTS_KEY = {"qwen3": "arguments", "llama3.1": "parameters", "qwen2.5-vl": "arguments"}
+FAMILIES = ["qwen3", "llama3.1", "qwen2.5-vl", "qwen3-vl"]
+ARGUMENTS_KEY = {"qwen3": "arguments", "llama3.1": "parameters", "qwen2.5-vl": "arguments", "qwen3-vl": "arguments"}
 WEATHER = {
     "type": "object",
     "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
