@@ -261,6 +261,8 @@ async def test_one_image_answers_as_generate_and_a_guided_answer_validates(famil
                 await pipe.submit({"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
             ).result()
             structured = await (await pipe.submit(guided)).result()
+            cache = pipe.preparation.encoder_cache
+            assert cache is not None and cache.stats.hits == 2  # both answers' image: positions from the cached grid
     assert prepared.prompt_token_ids == case.ids
     assert prepared.mrope is not None and torch.equal(prepared.mrope.positions, case.mrope.positions)
     assert answer.token_ids == expected
