@@ -139,8 +139,9 @@ class TemplateStage:
         try:
             ids = expand_image_tokens(ids, images, self.image_ids)
         except ValueError as exc:
+            token = self.tokenizer.convert_ids_to_tokens(self.image_ids.image)
             raise InvalidRequest(
-                f"image placeholders do not match the images ({exc}); text may not contain '[IMG]'",
+                f"image placeholders do not match the images ({exc}); text may not contain {token!r}",
                 field=where,
             ) from None
         return self._check_length(ids, where)

@@ -319,3 +319,15 @@ def test_the_same_tokens_and_image_under_another_grid_share_no_blocks() -> None:
     assert hashes((1, 2, 3))[0] == hashes((1, 3, 2))[0]  # the block before the image
     assert not set(hashes((1, 2, 3))[1:]) & set(hashes((1, 3, 2))[1:])
     assert hashes((1, 2, 3)) == hashes((1, 2, 3))
+
+
+async def test_text_that_writes_the_image_token_is_a_400_naming_it(family_dir: FamilyDir) -> None:
+    from pipeline.errors import InvalidRequest
+
+    config = PipelineConfig(model=str(family_dir("qwen2.5-vl")), device="cpu", preparation_mode="thread")
+    body = {"messages": [{"role": "user", "content": "Hi <|image_pad|> there"}], "max_tokens": 4}
+    with anyio.fail_after(120):
+        async with Pipeline(config, with_engine=False) as pipe:
+            with pytest.raises(InvalidRequest, match="may not contain '<\\|image_pad\\|>'") as info:
+                await pipe.prepare(body)
+    assert info.value.status == 400 and info.value.field == "messages"
