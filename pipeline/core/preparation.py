@@ -86,7 +86,10 @@ class Preparation:
         self.image_token_id = checkpoint.image_token_id if checkpoint.image_token_id is not None else -1
         self.hidden_size = int(checkpoint.text_config.hidden_size)
         # M-RoPE: positions depend on the image grids, so they are computed here, with the prompt
-        mrope = family_of(checkpoint).position_scheme == "mrope" and self.image_token_id >= 0
+        family = family_of(checkpoint)
+        mrope = family.position_scheme == "mrope" and self.image_token_id >= 0
+        # Qwen3-VL: the encoder packs DeepStack features beside each embedding (vision/encoder.py)
+        self.has_deepstack = "deepstack_visual_embeds" in family.extra_prefill_inputs
         self.rope_index = MRopeIndex(checkpoint.config, self.image_token_id) if mrope else None
         processor = checkpoint.image_processor
         longest = target_longest_edge(processor)
@@ -268,9 +271,9 @@ class Preparation:
             raise job.error
         request = prep.request
         constraint = prep.grammar.get()
-        embeds, deepstack = (None, None)
-        if prep.images.embeds is not None:  # Qwen3-VL's encoder packs its DeepStack features beside
-            embeds, deepstack = split_deepstack(prep.images.embeds, self.hidden_size)
+        embeds, deepstack = prep.images.embeds, None
+        if embeds is not None and self.has_deepstack:
+            embeds, deepstack = split_deepstack(embeds, self.hidden_size)
         inp = EngineInput(
             request_id=request.request_id,
             prompt_token_ids=prep.prompt_ids,
