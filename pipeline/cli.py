@@ -94,6 +94,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         template_threads=args.template_threads,
         preparation_mode=args.preparation_mode,
         prep_workers=args.prep_workers,
+        engine_mode=args.engine_mode,
     )
 
 
@@ -251,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         help="image preparation in low-priority worker processes or in threads (default: %(default)s)",
     )
     s.add_argument("--prep-workers", type=int, default=0, help="worker processes (0: from the core count)")
+    s.add_argument(
+        "--engine-mode",
+        choices=("thread", "process"),
+        default=_default("engine_mode"),
+        help="the decode engine on a thread of the server or in its own process (default: %(default)s)",
+    )
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")
     s.add_argument(

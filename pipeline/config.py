@@ -128,6 +128,15 @@ class PipelineConfig:
     prefill_chunk_tokens: int = 2048
     default_max_tokens: int = 256
     engine_queue_size: int = 64
+    # "thread": the engine's step loop on a thread of the serving process (sampling/async_engine.py);
+    # "process": the engine (scheduler, model, sampler, grammar matchers) in its own process
+    # (pipeline/core/engine_client.py), so the event loop and the decode loop never share a GIL.
+    engine_mode: str = "thread"
+    # process mode: an engine that holds requests and sends nothing for this long is killed and
+    # started again (its requests get a 503 engine_failed); it sends at least once a second while it
+    # works, so this bounds one step (a long prefill on a CPU included)
+    engine_step_timeout_s: float = 60.0
+    engine_start_timeout_s: float = 300.0  # process mode: loading the model in a new engine process
     # Launch each decode step's forward before the last step's tokens are committed (sampling/ahead.py);
     # False: the synchronous loop. Off: on the 2-core CPU it does not pay (bench ahead, 3 runs of 7
     # pairs: median TPOT ratio 0.94-1.16 at batch 8 and 32, 0.98-1.13 at batch 1); on a GPU, try it.
@@ -179,6 +188,8 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.preparation_mode must be process or thread, got {self.preparation_mode!r}"
             )
+        if self.engine_mode not in ("thread", "process"):
+            raise ValueError(f"PipelineConfig.engine_mode must be thread or process, got {self.engine_mode!r}")
         if self.prep_workers < 0 or not 0 <= self.prep_worker_nice <= 19:
             raise ValueError("PipelineConfig.prep_workers must be >= 0 and prep_worker_nice in 0..19")
         if self.answer_resample_attempts < 0:
@@ -190,6 +201,8 @@ class PipelineConfig:
             "fetch_total_timeout_s",
             "grammar_compile_timeout_s",
             "prep_worker_timeout_s",
+            "engine_step_timeout_s",
+            "engine_start_timeout_s",
         )
         for name in (*timeouts, "grammar_xgrammar_budget_s"):
             if getattr(self, name) <= 0:

@@ -17,7 +17,8 @@ of the request it ended (filled in by the pipeline when a stage does not know it
     ├── AuthenticationFailed (401)      no API key, or the wrong one
     ├── PayloadTooLarge (413)           a body, image bytes or pixels over the configured cap
     ├── Overloaded (429)                pipeline full; ``retry_after`` seconds
-    │   └── ShuttingDown (503)
+    │   ├── ShuttingDown (503)
+    │   └── EngineFailed (503)          the engine process died or hung holding the request; retry
     ├── DeadlineExceeded (504)          a configured deadline passed (fetch, grammar compile, a stuck worker)
     ├── WorkerCrashed (500)             a preparation worker process died holding the request's image
     ├── ReplicaFailed (502)             a serving replica died holding the request (scale-out only)
@@ -36,6 +37,7 @@ __all__ = [
     "AuthenticationFailed",
     "DeadlineExceeded",
     "EngineError",
+    "EngineFailed",
     "GrammarError",
     "ImageDecodeError",
     "ImageFetchError",
@@ -172,6 +174,15 @@ class ShuttingDown(Overloaded):
     status = 503
     error_type = "shutting_down"
     code = "shutting_down"
+
+
+class EngineFailed(Overloaded):
+    """The engine process died (killed, out of memory, a native crash) or stopped making progress while
+    it held the request, or is being started again after that: retry (``Retry-After`` says when)."""
+
+    status = 503
+    error_type = "engine_failed"
+    code = "engine_failed"
 
 
 class DeadlineExceeded(PipelineError):

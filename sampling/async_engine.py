@@ -24,7 +24,16 @@ from pipeline.outcome import Mailbox
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 
-__all__ = ["Add", "AsyncEngine", "Barrier", "EngineQueueFull", "OutputStream", "Stop"]
+__all__ = [
+    "Add",
+    "AsyncEngine",
+    "Barrier",
+    "EngineQueueFull",
+    "OutputStream",
+    "Stop",
+    "decoding_stats",
+    "prefix_figures",
+]
 
 
 class EngineQueueFull(Exception):
@@ -52,6 +61,36 @@ class Stop:
 Command = Add | Barrier | Stop
 
 
+def decoding_stats(engine: LLMEngine) -> dict[str, int]:
+    """Decoding now, for /health and /metrics (from another thread: a snapshot)."""
+    scheduler = engine.scheduler
+    allocator = scheduler.allocator
+    return {
+        "running_seqs": len(scheduler.running),
+        "waiting_seqs": len(scheduler.waiting),
+        "kv_blocks_used": allocator.num_blocks - allocator.num_free,
+        "kv_blocks_total": allocator.num_blocks,
+        "preemptions": scheduler.num_preemptions,
+    }
+
+
+def prefix_figures(engine: LLMEngine) -> dict[str, int] | None:
+    """The KV prefix cache's counters and sizes; None when prefix caching is off."""
+    scheduler = engine.scheduler
+    if not scheduler.prefix_caching:
+        return None
+    allocator = scheduler.allocator
+    kv = allocator.stats
+    return {
+        "hits": kv.hits,
+        "misses": kv.misses,
+        "evictions": kv.evictions,
+        "blocks_held": kv.blocks_held,
+        "num_blocks": allocator.num_blocks,
+        "block_bytes": engine.runner.kv_block_bytes,
+    }
+
+
 class OutputStream:
     """Outputs of one request in order; ends when all ``n`` of its sequences have finished."""
 
@@ -61,6 +100,10 @@ class OutputStream:
         self.n = n
         self._mailbox: Mailbox[SeqOutput] = Mailbox()
         self._num_finished = 0
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (its reader gets what was pushed first)."""
+        self._mailbox.close(error)
 
     def push(self, output: SeqOutput) -> None:
         self._mailbox.put(output)
@@ -87,6 +130,15 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.num_steps = 0
+        self.status = "ok"  # the engine thread cannot fail apart from the process (see ProcessEngine)
+
+    @property
+    def token_table(self) -> list[bytes]:
+        """Each token id's bytes."""
+        return self.engine.token_bytes.table
+
+    def attach(self, tg: Any) -> None:
+        """Nothing runs in the background for a thread engine (a process engine's watchdog does)."""
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -145,15 +197,11 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         """Decoding now, for /health and /metrics (read from another thread: a snapshot)."""
-        scheduler = self.engine.scheduler
-        allocator = scheduler.allocator
-        return {
-            "running_seqs": len(scheduler.running),
-            "waiting_seqs": len(scheduler.waiting),
-            "kv_blocks_used": allocator.num_blocks - allocator.num_free,
-            "kv_blocks_total": allocator.num_blocks,
-            "preemptions": scheduler.num_preemptions,
-        }
+        return decoding_stats(self.engine)
+
+    def prefix_cache_figures(self) -> dict[str, int] | None:
+        """The KV prefix cache's counters (None: off); read from another thread, a snapshot."""
+        return prefix_figures(self.engine)
 
     # -- on the engine thread ----------------------------------------------------------------
     def _drain_aborts(self) -> None:

@@ -31,7 +31,10 @@ class EngineInput:
     image_token_id: int
     image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
     sampling: SamplingParams
-    grammar: Any | None = None  # xgrammar.CompiledGrammar
+    grammar: Any | None = None  # xgrammar.CompiledGrammar | LLGrammar
+    # (backend, GrammarSpec) the grammar was compiled from: what an engine in another process compiles
+    # again (a compiled grammar costs 3-20x its compile to serialize)
+    grammar_source: tuple[str, Any] | None = None
     # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
     grammar_trigger: int | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage

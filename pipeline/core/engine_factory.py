@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 from pipeline.config import PipelineConfig
+from pipeline.core.engine_client import ProcessEngine
+from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.errors import PromptTooLong
 from pipeline.observability.trace import Tracer
 from sampling.async_engine import AsyncEngine
@@ -16,7 +19,9 @@ from sampling.model_runner import ModelRunner
 from sampling.paged_runner import PagedRunner
 from vision.checkpoint import Checkpoint
 
-__all__ = ["build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
+__all__ = ["Engine", "build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
+
+Engine = AsyncEngine | ProcessEngine  # the pipeline uses both through the same calls
 
 
 def num_kv_blocks(config: PipelineConfig) -> int:
@@ -96,7 +101,20 @@ def build_llm_engine(
 
 def build_engine(
     checkpoint: Checkpoint, config: PipelineConfig, *, device: str, tracer: Tracer | None = None
-) -> AsyncEngine:
-    """The decode engine of ``checkpoint`` on its own thread, sized by ``config``."""
+) -> Engine:
+    """The decode engine of ``checkpoint``, sized by ``config``: on its own thread, or (``engine_mode``
+    "process") the client of an engine process that ``start()`` starts (the model loads there)."""
+    if config.engine_mode == "process":
+        spec = EngineProcessSpec(config, str(checkpoint.path), device)
+        return ProcessEngine(
+            spec,
+            queue_size=config.engine_queue_size,
+            step_timeout_s=config.engine_step_timeout_s,
+            start_timeout_s=config.engine_start_timeout_s,
+            retry_after_s=config.retry_after_s,
+            token_table=functools.cache(
+                lambda: TokenBytes.from_tokenizer(checkpoint.tokenizer_info, checkpoint.tokenizer).table
+            ),
+        )
     engine = build_llm_engine(checkpoint, config, device=device, tracer=tracer)
     return AsyncEngine(engine, queue_size=config.engine_queue_size)

@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_factory import build_engine
+from pipeline.core.engine_factory import Engine, build_engine
 from pipeline.core.handle import RequestHandle
 from pipeline.core.preparation import Preparation, PreparedRequest
 from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
@@ -29,7 +29,6 @@ from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
 from pipeline.protocol.tool_formats import ToolFormat, tool_format
-from sampling.async_engine import AsyncEngine
 from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
@@ -75,7 +74,7 @@ class Pipeline:
         self._encoder: VisionEncoder | None = None
         self._grammar: GrammarStage | None = None
         self._preparation: Preparation | None = None
-        self._engine: AsyncEngine | None = None
+        self._engine: Engine | None = None
         self._tool_format: ToolFormat | None = None  # how the model writes tool calls: its family's, fixed at start
         self._stack = AsyncExitStack()
         self._tg: TaskGroup | None = None
@@ -101,7 +100,7 @@ class Pipeline:
         return self._preparation
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> Engine:
         if self._engine is None:
             raise RuntimeError("the pipeline is not started, or was built with_engine=False")
         return self._engine
@@ -114,7 +113,7 @@ class Pipeline:
     @property
     def token_table(self) -> list[bytes]:
         """Each token id's bytes (log-probability entries show them)."""
-        return self.engine.engine.token_bytes.table
+        return self.engine.token_table
 
     def render_metrics(self) -> bytes:
         """The Prometheus text exposition of this pipeline's metrics."""
@@ -164,6 +163,8 @@ class Pipeline:
                 stack.push_async_callback(_shielded, self._engine.aclose)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tg.cancel_scope.cancel)
+            if self._engine is not None:
+                self._engine.attach(self._tg)
             self._preparation.start(self._tg)
             # the preparation workers are up before the first request: it would wait seconds for them
             await self._preparation.start_workers()
@@ -325,7 +326,10 @@ class Pipeline:
 
     def health(self) -> dict[str, Any]:
         status = "ok" if self.state is PipelineState.ACCEPTING else "stopping"
-        return {"status": status, "pending": self._pending, "decoding": self.decoding()}
+        engine = self._engine.status if self._engine is not None else "none"
+        if status == "ok" and engine not in ("ok", "none"):
+            status = f"engine {engine}"  # a new engine process is starting after a failure: a 503 meanwhile
+        return {"status": status, "engine": engine, "pending": self._pending, "decoding": self.decoding()}
 
     def resources(self) -> Resources:
         """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""

@@ -281,6 +281,7 @@ class Preparation:
             image_embeds=embeds,
             sampling=request.sampling,
             grammar=constraint.grammar if constraint is not None else None,
+            grammar_source=(constraint.backend, request.grammar) if constraint is not None else None,
             grammar_trigger=self._grammar_trigger(request),
             timings=dict(job.timings),
             image_keys=prep.images.keys,

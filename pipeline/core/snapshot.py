@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pipeline.core.engine_factory import Engine
 from pipeline.core.preparation import Preparation
 from pipeline.observability.metrics import Metrics
-from sampling.async_engine import AsyncEngine
 from stages.encoder_cache import CacheStats
 
 __all__ = ["Resources", "cache_counters", "cache_stats", "resources"]
@@ -34,7 +34,7 @@ class Resources:
         return not any(counts)
 
 
-def resources(prep: Preparation, metrics: Metrics, engine: AsyncEngine | None, pending: int, running: int) -> Resources:
+def resources(prep: Preparation, metrics: Metrics, engine: Engine | None, pending: int, running: int) -> Resources:
     """What the pipeline holds now: ``pending`` requests in the stages, ``running`` handles not done."""
     return Resources(
         pending_requests=pending,
@@ -47,24 +47,22 @@ def resources(prep: Preparation, metrics: Metrics, engine: AsyncEngine | None, p
     )
 
 
-def cache_stats(prep: Preparation, engine: AsyncEngine | None) -> dict[str, CacheStats]:
+def cache_stats(prep: Preparation, engine: Engine | None) -> dict[str, CacheStats]:
     """Hits, misses, evictions and bytes held of the encoder cache and the KV prefix cache (a
     cache that is off is absent)."""
     out = {}
     cache = prep.encoder_cache
     if cache is not None:
         out["encoder"] = replace(cache.stats)
-    if engine is not None and engine.engine.scheduler.prefix_caching:
-        llm = engine.engine
-        kv = llm.scheduler.allocator.stats
-        block_bytes = llm.runner.kv_block_bytes
+    kv = engine.prefix_cache_figures() if engine is not None else None
+    if kv is not None:
         out["kv_prefix"] = CacheStats(
-            hits=kv.hits,
-            misses=kv.misses,
-            evictions=kv.evictions,
-            bytes_held=kv.blocks_held * block_bytes,
-            bytes_bound=llm.scheduler.allocator.num_blocks * block_bytes,
-            entries=kv.blocks_held,
+            hits=kv["hits"],
+            misses=kv["misses"],
+            evictions=kv["evictions"],
+            bytes_held=kv["blocks_held"] * kv["block_bytes"],
+            bytes_bound=kv["num_blocks"] * kv["block_bytes"],
+            entries=kv["blocks_held"],
         )
     return out
 

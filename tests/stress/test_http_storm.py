@@ -23,10 +23,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-async def served() -> AsyncIterator[tuple[str, Pipeline]]:
-    """One server for the module (tests read counters as differences). The bodies are text, so no
-    preparation worker would run: threads it is."""
+@pytest.fixture(scope="module", params=["thread", "process"])
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, Pipeline]]:
+    """One server per engine mode for the module (tests read counters as differences). The bodies are
+    text, so no preparation worker would run: threads it is."""
     config = PipelineConfig(
         max_pending_requests=16,
         stage_queue_size=16,
@@ -34,6 +34,7 @@ async def served() -> AsyncIterator[tuple[str, Pipeline]]:
         num_kv_blocks=512,
         max_model_len=2048,
         preparation_mode="thread",
+        engine_mode=request.param,
     )
     async with Pipeline(config) as pipe, serving(create_app(pipe), handler_cancellation=True) as base:
         yield base, pipe

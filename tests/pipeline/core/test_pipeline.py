@@ -28,10 +28,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-async def pipe() -> AsyncIterator[Pipeline]:
-    """One pipeline for the module: tests read counters as differences, never as totals."""
-    async with Pipeline(PipelineConfig(max_running_seqs=8, num_kv_blocks=512, max_model_len=4096)) as p:
+@pytest.fixture(scope="module", params=["thread", "process"])
+async def pipe(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
+    """One pipeline per engine mode for the module: tests read counters as differences, never as totals."""
+    config = PipelineConfig(max_running_seqs=8, num_kv_blocks=512, max_model_len=4096, engine_mode=request.param)
+    async with Pipeline(config) as p:
         yield p
 
 

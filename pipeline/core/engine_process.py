@@ -1,0 +1,228 @@
+"""The engine process: the ``LLMEngine`` (scheduler, model, sampler, grammar matchers) in its own interpreter.
+
+The serving process keeps the event loop; here the decode loop runs without sharing a GIL with it.
+The serving process's side is ``pipeline.core.engine_client``; the messages are in
+``pipeline.core.engine_wire``. Over one Unix socket pair:
+
+    serving process                          engine process
+    (parent pid, EngineProcessSpec) ─────▶   parent-death signal, load the model
+                                        ◀──  Ready(pid)   (or Fatal(message), then exit)
+    ("add", AddCommand) ─────────────────▶   compile its grammar if new (threads), then add
+    ("abort", request id) ───────────────▶   freed before the next step
+    ("barrier", token) ──────────────────▶ ◀── BarrierReached(token, figures)
+                                        ◀──  Step(outputs of all sequences, figures) once per step
+                                        ◀──  Alive, after a second without a message
+    ("stop",) ───────────────────────────▶   exits
+
+Started as ``python -c`` with ``main``, as the preparation workers are (``stages/process_pool.py`` says
+why not a ``multiprocessing`` spawn). It exits when the socket closes, and the kernel kills it when the
+serving process dies (``PR_SET_PDEATHSIG``), so it is never left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from pipeline.core.engine_grammars import EngineGrammars
+from pipeline.core.engine_wire import (
+    ENCODER,
+    Alive,
+    BarrierReached,
+    Fatal,
+    FrameReader,
+    Ready,
+    Step,
+    decode_input,
+    frame,
+)
+from sampling.async_engine import decoding_stats, prefix_figures
+from sampling.engine import LLMEngine
+from sampling.inputs import EngineInput, SeqOutput
+from vision.checkpoint import Checkpoint
+
+__all__ = ["EngineProcessSpec", "figures", "main"]
+
+_PR_SET_PDEATHSIG = 1
+ALIVE_EVERY_S = 1.0  # a message at least this often while the engine has work (the hang detector reads it)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProcessSpec:
+    """What the engine process loads."""
+
+    config: PipelineConfig
+    checkpoint_path: str
+    device: str
+
+
+def figures(engine: LLMEngine) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
+    """The engine's figures: decoding now (/health), what it holds (leak checks), its prefix cache."""
+    stats = decoding_stats(engine)
+    held = {"engine_requests": engine.num_requests, "kv_blocks_used": stats["kv_blocks_used"]}
+    return stats, held, prefix_figures(engine)
+
+
+class _Waiting:
+    """An add whose grammar is compiling."""
+
+    def __init__(self, inp: EngineInput, flight: Future[Any]) -> None:
+        self.inp = inp
+        self.flight = flight
+
+
+class EngineServer:
+    """The engine process's loop: read commands, step, send each step's outputs."""
+
+    def __init__(self, sock: socket.socket, engine: LLMEngine, spec: EngineProcessSpec, checkpoint: Checkpoint):
+        self.sock = sock
+        self.engine = engine
+        self._reader = FrameReader()
+        self._wake_r, self._wake_w = os.pipe()
+        self.grammars = EngineGrammars(spec.config, checkpoint, on_done=self._wake)
+        self._waiting: dict[str, _Waiting] = {}
+        self._num_read = 0
+        self._sent_at = time.monotonic()
+
+    def _wake(self) -> None:
+        os.write(self._wake_w, b".")  # from a compile thread: the loop may be asleep in select
+
+    def send(self, message: Any) -> None:
+        self.sock.sendall(frame(ENCODER.encode(message)))
+        self._sent_at = time.monotonic()
+
+    def _figures(self) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
+        stats, held, prefix = figures(self.engine)
+        held["engine_requests"] += len(self._waiting)
+        return stats, held, prefix
+
+    def serve(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_work()
+            timeout = 0.0 if busy else (ALIVE_EVERY_S if self._waiting else None)
+            if not self._read(timeout):
+                return
+            outputs = self._admit_compiled()
+            if engine.has_work():
+                outputs += engine.step()
+            if outputs:
+                self.send(Step(outputs, self._num_read, *self._figures()))
+            elif (busy or self._waiting) and time.monotonic() - self._sent_at > ALIVE_EVERY_S:
+                self.send(Alive(self._num_read))
+
+    def _read(self, timeout: float | None) -> bool:
+        """Handle every command that has arrived (waiting up to ``timeout`` for one); False: stop."""
+        waited: list[Any] = [self.sock, self._wake_r]
+        readable, _, _ = select.select(waited, [], [], timeout)
+        if self._wake_r in readable:
+            os.read(self._wake_r, 4096)
+        while self.sock in readable:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                return False  # the serving process closed the socket or died
+            for body in self._reader.feed(data):
+                self._num_read += 1
+                if not self._handle(pickle.loads(body)):
+                    return False
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        return True
+
+    def _handle(self, command: tuple[Any, ...]) -> bool:
+        kind = command[0]
+        if kind == "add":
+            self._add(decode_input(command[1]))
+        elif kind == "abort":
+            request_id = command[1]
+            if self._waiting.pop(request_id, None) is None:
+                self.engine.abort(request_id)  # a no-op for a request that finished
+        elif kind == "barrier":
+            self.send(BarrierReached(command[1], self._num_read, *self._figures()))
+        elif kind == "stop":
+            return False
+        return True
+
+    def _add(self, inp: EngineInput) -> None:
+        if inp.grammar_source is None:
+            self.engine.add(inp)
+            return
+        backend, spec = inp.grammar_source
+        grammar = self.grammars.get(backend, spec)
+        if isinstance(grammar, Future):
+            self._waiting[inp.request_id] = _Waiting(inp, grammar)
+        else:
+            inp.grammar = grammar
+            self.engine.add(inp)
+
+    def _admit_compiled(self) -> list[SeqOutput]:
+        """Add the requests whose grammar has compiled; the outputs of those whose compile failed."""
+        failed: list[SeqOutput] = []
+        for request_id, waiting in list(self._waiting.items()):
+            if not waiting.flight.done():
+                continue
+            del self._waiting[request_id]
+            inp = waiting.inp
+            assert inp.grammar_source is not None
+            try:
+                inp.grammar = self.grammars.finish(*inp.grammar_source, waiting.flight)
+            except Exception as exc:  # it compiled in the serving process: a fault of this one
+                message = f"the engine process could not compile the request's grammar: {exc}"
+                failed += [
+                    SeqOutput(request_id, i, [], "", finish_reason="error", error=message)
+                    for i in range(inp.sampling.n)
+                ]
+                continue
+            self.engine.add(inp)
+        return failed
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the serving process dies (Linux); exit if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _first_frame(sock: socket.socket, reader: FrameReader) -> bytes:
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            raise EOFError("the serving process closed the socket before the spec")
+        frames = reader.feed(data)
+        if frames:  # nothing else is sent before our Ready
+            return frames[0]
+
+
+def main(fd: int) -> None:
+    """The engine process's entry point: ``fd`` is its end of the socket pair."""
+    from pipeline.core.engine_factory import build_llm_engine
+
+    sock = socket.socket(fileno=fd)
+    parent_pid, spec = pickle.loads(_first_frame(sock, FrameReader()))
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
+    try:
+        checkpoint = Checkpoint(Path(spec.checkpoint_path))
+        engine = build_llm_engine(checkpoint, spec.config, device=spec.device)
+    except Exception as exc:  # report why, then exit: the serving process's start fails with it
+        sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
+        return
+    server = EngineServer(sock, engine, spec, checkpoint)
+    server.send(Ready(os.getpid()))
+    try:
+        server.serve()
+    finally:
+        server.grammars.close()

@@ -1,0 +1,58 @@
+"""The engine process's frames and messages: what crosses comes back equal."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from pipeline.core.engine_wire import DECODER, ENCODER, FrameReader, Step, decode_input, encode_input, frame
+from pipeline.types import GrammarSpec
+from sampling.inputs import EngineInput, ImageKey, SeqOutput
+from sampling.logits_process import TokenLogprob
+from sampling.params import SamplingParams
+
+
+def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
+    bodies = [b"", b"a", bytes(range(256)) * 40]
+    stream = b"".join(frame(b) for b in bodies)
+    reader = FrameReader()
+    out = [body for i in range(0, len(stream), 7) for body in reader.feed(stream[i : i + 7])]
+    assert out == bodies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_input_crosses_with_its_embeddings_and_grammar_source(dtype: torch.dtype) -> None:
+    embeds = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    spec = GrammarSpec("regex", "[a-z]+")
+    inp = EngineInput(
+        request_id="r1",
+        prompt_token_ids=[5, 9, 9, 9, 6],
+        image_token_id=9,
+        image_embeds=embeds,
+        sampling=SamplingParams(max_tokens=4, n=2, stop=("x",)),
+        grammar=object(),  # the serving process's compiled grammar: it stays there
+        grammar_source=("llguidance", spec),
+        image_keys=[ImageKey("abc", 3)],
+    )
+    back = decode_input(pickle.loads(pickle.dumps(encode_input(inp))))
+    assert back.grammar is None and back.grammar_source == ("llguidance", spec)
+    assert back.image_embeds is not None and back.image_embeds.dtype == dtype
+    assert torch.equal(back.image_embeds, embeds)
+    assert (back.prompt_token_ids, back.sampling, back.image_keys) == (inp.prompt_token_ids, inp.sampling, inp.image_keys)
+
+
+def test_a_grammar_without_its_source_cannot_cross() -> None:
+    inp = EngineInput("r2", [1], -1, None, SamplingParams(), grammar=object())
+    with pytest.raises(ValueError, match="without its source"):
+        encode_input(inp)
+
+
+def test_a_step_message_keeps_outputs_and_logprobs() -> None:
+    outputs = [
+        SeqOutput("r1", 0, [7], "x", logprobs=[TokenLogprob(7, -0.5, ((7, -0.5), (3, -1.0)))]),
+        SeqOutput("r2", 1, [], "", finish_reason="error", error="boom", error_kind="constraint"),
+    ]
+    step = Step(outputs, 3, {"running_seqs": 1}, {"engine_requests": 2}, None)
+    assert DECODER.decode(ENCODER.encode(step)) == step
