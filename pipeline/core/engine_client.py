@@ -104,6 +104,7 @@ class ProcessEngine:
         self.retry_after_s = retry_after_s
         self._token_table = token_table
         self.status = "starting"  # "ok", "restarting", "stopped"
+        self._started = anyio.Event()  # set while status is "ok"
         self.num_failures = 0
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: _Connection | None = None
@@ -136,7 +137,15 @@ class ProcessEngine:
     async def start(self) -> None:
         """Start the engine process and wait until its model is loaded. :raises EngineFailed: it could not."""
         await self._launch()
+        self._set_ok()
+
+    def _set_ok(self) -> None:
         self.status = "ok"
+        self._started.set()
+
+    async def wait_started(self) -> None:
+        """Return once an engine process serves (at once unless one is starting after a failure)."""
+        await self._started.wait()
 
     def attach(self, tg: TaskGroup) -> None:
         """Where the hang watchdog runs and new engine processes are started after a failure."""
@@ -146,11 +155,11 @@ class ProcessEngine:
     async def aclose(self) -> None:
         """Stop the engine process (a stop message, then SIGKILL after a grace period) and wait for it."""
         self._closing = True
-        self.status = "stopped"
+        was_serving, self.status = self.status == "ok", "stopped"
         conn = self._conn
         if conn is not None and conn.transport is not None:
             conn.transport.write(encode_command(("stop",)))
-        await self._reap()
+        await self._reap(kill=not was_serving)  # one still loading its model would read the stop late
         if conn is not None and conn.transport is not None:
             conn.transport.close()
         self._conn = None
@@ -182,7 +191,9 @@ class ProcessEngine:
         if self._fatal is not None or self._conn is None:
             why = self._fatal or f"it exited with code {self._process.poll()} while starting"
             await self._reap(kill=True)
-            raise EngineFailed(f"the engine process could not start: {why}", retry_after=self.retry_after_s)
+            raise EngineFailed(
+                f"the engine process could not start: {why}", retry_after=self.retry_after_s, stage="engine"
+            )
         logger.info("engine process %s ready", self.pid)
 
     async def _reap(self, *, kill: bool = False) -> None:
@@ -208,7 +219,9 @@ class ProcessEngine:
         """
         conn = self._conn
         if self.status != "ok" or conn is None or conn.transport is None:
-            raise EngineFailed("the decode engine is restarting after a failure; retry", retry_after=self.retry_after_s)
+            raise EngineFailed(
+                "the decode engine is restarting after a failure; retry", retry_after=self.retry_after_s, stage="engine"
+            )
         if self._num_sent - self._num_acked >= self.queue_size:
             raise EngineQueueFull("the decode engine's queue is full")
         message = encode_command(("add", encode_input(inp)))
@@ -304,11 +317,14 @@ class ProcessEngine:
         if self._closing or self.status != "ok":
             return
         self.status = "restarting"
+        self._started = anyio.Event()
         self.num_failures += 1
         why = f"made no progress for {self.step_timeout_s:g} s" if self._hung else "died"
         logger.error("engine process %s %s holding %d requests; starting another", self.pid, why, len(self._streams))
         error = EngineFailed(
-            f"the decode engine process {why} while it held this request; retry", retry_after=self.retry_after_s
+            f"the decode engine process {why} while it held this request; retry",
+            retry_after=self.retry_after_s,
+            stage="engine",
         )
         streams, self._streams = self._streams, {}
         for stream in streams.values():
@@ -333,7 +349,7 @@ class ProcessEngine:
                 await anyio.sleep(_RESTART_PAUSE_S)
                 continue
             if not self._closing:
-                self.status = "ok"
+                self._set_ok()
             return
 
     async def _watch(self) -> None:

@@ -1,4 +1,4 @@
-"""``python -m pipeline serve`` leaves no preparation worker behind, however it ends."""
+"""``python -m pipeline serve`` leaves no preparation worker and no engine process behind, however it ends."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ async def _read_line(stream: anyio.abc.ByteReceiveStream, buffer: bytearray, pre
 @pytest.mark.parametrize("ending", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "crashed"])
 async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
     args = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--preparation-mode", "process"]
-    args += ["--prep-workers", "2"]
+    args += ["--prep-workers", "2", "--engine-mode", "process"]
     process = await anyio.open_process(args, cwd=ROOT, stderr=None)
     try:
         assert process.stdout is not None
@@ -48,10 +48,13 @@ async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
             while len(workers) < 2 or any(_nice(pid) != lowest for pid in workers):
                 await anyio.sleep(0.05)  # noqa: sleep-ok: polls /proc; another process's children give no event
                 workers = [pid for pid in _children(process.pid) if "vision.image_worker" in _cmdline(pid)]
+            # the engine process has loaded its model before the server says it is serving
+            engines = [pid for pid in _children(process.pid) if "pipeline.core.engine_process" in _cmdline(pid)]
+            assert len(engines) == 1
         process.send_signal(ending)
         with anyio.fail_after(60):
             code = await process.wait()
-            for pid in workers:
+            for pid in workers + engines:
                 await wait_gone(pid)
     finally:
         if process.returncode is None:

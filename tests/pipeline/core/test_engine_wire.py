@@ -40,7 +40,8 @@ def test_an_input_crosses_with_its_embeddings_and_grammar_source(dtype: torch.dt
     assert back.grammar is None and back.grammar_source == ("llguidance", spec)
     assert back.image_embeds is not None and back.image_embeds.dtype == dtype
     assert torch.equal(back.image_embeds, embeds)
-    assert (back.prompt_token_ids, back.sampling, back.image_keys) == (inp.prompt_token_ids, inp.sampling, inp.image_keys)
+    kept = (back.prompt_token_ids, back.sampling, back.image_keys)
+    assert kept == (inp.prompt_token_ids, inp.sampling, inp.image_keys)
 
 
 def test_a_grammar_without_its_source_cannot_cross() -> None:

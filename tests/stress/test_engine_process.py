@@ -1,0 +1,95 @@
+"""The engine in its own process: killed or hung, it fails the requests it held with a 503
+``engine_failed``, ``/health`` says so while a new one starts, and the next request is served."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from pipeline import PipelineConfig
+from pipeline.api.replies import error_reply
+from pipeline.core.engine_client import ProcessEngine
+from pipeline.core.pipeline import Pipeline
+from pipeline.errors import EngineFailed
+from tests.released import assert_released
+from tests.stages.test_process_pool import wait_gone
+
+LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "ignore_eos": True}
+SHORT = {"messages": [{"role": "user", "content": "again"}], "max_tokens": 4}
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    """One pipeline for the module; the hang deadline is short (the engine sends at least once a second)."""
+    config = PipelineConfig(
+        engine_mode="process",
+        preparation_mode="thread",
+        engine_step_timeout_s=3.0,
+        max_running_seqs=4,
+        num_kv_blocks=512,
+        max_model_len=4096,
+    )
+    async with Pipeline(config) as p:
+        yield p
+    assert isinstance(p._engine, ProcessEngine) and p._engine.pid is None  # reaped at close
+
+
+def _engine(pipe: Pipeline) -> ProcessEngine:
+    engine = pipe.engine
+    assert isinstance(engine, ProcessEngine)
+    return engine
+
+
+async def _fail_while_decoding(pipe: Pipeline, hurt: signal.Signals) -> EngineFailed:
+    """Start two long requests, hurt the engine process once both decode; the first one's error."""
+    engine = _engine(pipe)
+    pid = engine.pid
+    assert pid is not None
+    handles = [await pipe.submit(LONG) for _ in range(2)]
+    deltas = [aiter(h) for h in handles]  # held, not dropped: dropping the iterator cancels the request
+    for d in deltas:
+        await anext(d)  # decoding has started
+    os.kill(pid, hurt)
+    errors = []
+    for handle in handles:
+        with pytest.raises(EngineFailed) as info:
+            await handle.result()
+        errors.append(info.value)
+    health = pipe.health()
+    assert health["status"] == "engine restarting" and health["engine"] == "restarting"
+    # submitted while the new engine loads its model: refused the same way, nothing held
+    with pytest.raises(EngineFailed):
+        await (await pipe.submit(SHORT)).result()
+    await wait_gone(pid)
+    return errors[0]
+
+
+@pytest.mark.parametrize("hurt", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+async def test_a_failed_engine_process_fails_its_requests_and_a_new_one_serves(
+    pipe: Pipeline, hurt: signal.Signals
+) -> None:
+    engine = _engine(pipe)
+    failures = engine.num_failures
+    with anyio.fail_after(240):
+        error = await _fail_while_decoding(pipe, hurt)
+        assert error.status == 503 and error.code == "engine_failed" and error.stage == "engine"
+        assert ("made no progress" in error.message) == (hurt == signal.SIGSTOP)
+        reply = error_reply(error)
+        assert reply.status == 503 and int(reply.headers["Retry-After"]) >= 1
+        await engine.wait_started()
+        assert pipe.health()["status"] == "ok" and engine.num_failures == failures + 1
+        # a text request, and a guided one: the new engine compiles its grammar again
+        assert (await (await pipe.submit(SHORT)).result()).completion_tokens == 4
+        guided = dict(SHORT, max_tokens=32, response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+        assert (await (await pipe.submit(guided)).result()).finish_reason in ("stop", "length")
+        await assert_released(pipe)
