@@ -137,6 +137,11 @@ class PipelineConfig:
     # works, so this bounds one step (a long prefill on a CPU included)
     engine_step_timeout_s: float = 60.0
     engine_start_timeout_s: float = 300.0  # process mode: loading the model in a new engine process
+    # process mode: torch's intra-op threads in the engine process; 0: torch's default (one per core).
+    # 1 measured here (2 cores shared with other work, the tiny model on the CPU): one decode's TPOT
+    # 3.5 ms with 1 thread, 48-97 ms with 2, whose OpenMP workers spin against each other and the
+    # serving process; the engine thread in thread mode: 5.6-7.5 ms
+    engine_torch_threads: int = 1
     # Launch each decode step's forward before the last step's tokens are committed (sampling/ahead.py);
     # False: the synchronous loop. Off: on the 2-core CPU it does not pay (bench ahead, 3 runs of 7
     # pairs: median TPOT ratio 0.94-1.16 at batch 8 and 32, 0.98-1.13 at batch 1); on a GPU, try it.
@@ -188,6 +193,8 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.preparation_mode must be process or thread, got {self.preparation_mode!r}"
             )
+        if self.engine_torch_threads < 0:
+            raise ValueError("PipelineConfig.engine_torch_threads must be >= 0")
         if self.engine_mode not in ("thread", "process"):
             raise ValueError(f"PipelineConfig.engine_mode must be thread or process, got {self.engine_mode!r}")
         if self.prep_workers < 0 or not 0 <= self.prep_worker_nice <= 19:

@@ -20,6 +20,7 @@ SCENARIOS = {
     "compile": "compile",
     "schemas": "schemas",
     "overload": "overload",
+    "engine-hop": "engine_hop",
     "ahead": "ahead",
     "cache": "cache",
     "scale": "scale",

@@ -37,9 +37,10 @@ from pipeline.bench.common import (
 
 __all__ = ["add_arguments", "run"]
 
-# the pipeline as configured (preparation in worker processes); preparation in its bounded threads;
-# a thread per request (unbounded pool); all on the loop
-MODES = ("pipeline", "threads", "unbounded", "inline")
+# the pipeline as configured (preparation in worker processes, the engine on a thread); the same with
+# the engine in its own process; preparation in its bounded threads; a thread per request (unbounded
+# pool); all on the loop
+MODES = ("pipeline", "engine-process", "threads", "unbounded", "inline")
 IMAGES = ("distinct", "repeated")
 
 
@@ -50,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="folder for the JSON figures and a PNG plot")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="passed to every server")
     parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
+    parser.add_argument("--servers", default=",".join(MODES), help=f"servers to run, of {', '.join(MODES)}")
 
 
 class _Server:
@@ -61,7 +63,9 @@ class _Server:
             args += ["--trace", trace]
         args += list(extra)
         args += ["--max-pending", str(burst * 2), "--stage-queue-size", str(burst * 2)]
-        if mode == "inline":
+        if mode == "engine-process":
+            args += ["--engine-mode", "process"]
+        elif mode == "inline":
             args += ["--inline-preparation", "--preparation-mode", "thread"]
         elif mode == "threads":
             args += ["--preparation-mode", "thread"]
@@ -185,15 +189,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kinds = [k.strip() for k in args.images.split(",") if k.strip()]
     if not kinds or any(k not in IMAGES for k in kinds):
         raise SystemExit(f"--images: choose from {', '.join(IMAGES)}")
+    modes = [m for m in MODES if m in {s.strip() for s in args.servers.split(",")}]
+    if "pipeline" not in modes:
+        raise SystemExit("--servers: the pipeline is the subject, keep it")
     jpegs = DistinctImages().jpegs(0, 1 + args.burst * args.repeats)
-    results: dict[tuple[str, str], list[dict[str, float]]] = {(m, k): [] for m in MODES for k in kinds}
+    results: dict[tuple[str, str], list[dict[str, float]]] = {(m, k): [] for m in modes for k in kinds}
     load_before = load_average()
 
     images = _ImagesThread(jpegs)
-    with tqdm(total=len(MODES) * (len(kinds) * args.repeats + 1), desc="health", file=sys.stderr) as progress:
+    with tqdm(total=len(modes) * (len(kinds) * args.repeats + 1), desc="health", file=sys.stderr) as progress:
         bodies = _burst_bodies(args, images, jpegs)
         try:
-            for mode in MODES:
+            for mode in modes:
                 trace = args.trace if mode == "pipeline" else None
                 extra = ("--switch-interval-ms", str(args.switch_interval_ms)) if args.switch_interval_ms else ()
                 server = _Server(mode, burst=args.burst, trace=trace, extra=extra)
@@ -217,6 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     labels = {
         "pipeline": "pipeline (worker processes)",
+        "engine-process": "pipeline, engine process",
         "threads": "bounded threads",
         "unbounded": "unbounded threads",
         "inline": "inline baseline",
@@ -227,32 +235,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     rows = []
     for kind in kinds:
-        for mode in MODES:
+        for mode in modes:
             s = summary(mode, kind)
             rows.append([labels[mode], kind, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])])
     print_table(["server", "images", "p50 ms", "p99 ms", "max ms", "req/s", "ok"], rows)
     print("(targets for the pipeline, both image kinds: p99 <= 5 ms, max <= 25 ms, req/s >= bounded threads')")
 
     def figures_of(kind: str) -> dict[str, float]:
-        ours, threads = summary("pipeline", kind), summary("threads", kind)
-        base, pool = summary("inline", kind), summary("unbounded", kind)
-        return {
-            "p50_ms": round(ours["p50_ms"], 3),
-            "p99_ms": round(ours["p99_ms"], 3),
-            "max_ms": round(ours["max_ms"], 3),
-            "req_per_s": round(ours["req_per_s"], 2),
-            "threads_p50_ms": round(threads["p50_ms"], 3),
-            "threads_p99_ms": round(threads["p99_ms"], 3),
-            "threads_max_ms": round(threads["max_ms"], 3),
-            "threads_req_per_s": round(threads["req_per_s"], 2),
-            "baseline_p50_ms": round(base["p50_ms"], 3),
-            "baseline_p99_ms": round(base["p99_ms"], 3),
-            "baseline_max_ms": round(base["max_ms"], 3),
-            "baseline_req_per_s": round(base["req_per_s"], 2),
-            "unbounded_p99_ms": round(pool["p99_ms"], 3),
-            "unbounded_max_ms": round(pool["max_ms"], 3),
-            "unbounded_req_per_s": round(pool["req_per_s"], 2),
-        }
+        out: dict[str, float] = {}
+        # the pipeline's keys bare, the others' prefixed (as before the engine process joined)
+        prefixes = {"pipeline": "", "engine-process": "engine_process_", "threads": "threads_"}
+        prefixes |= {"inline": "baseline_", "unbounded": "unbounded_"}
+        for mode in modes:
+            s = summary(mode, kind)
+            for key in ("p50_ms", "p99_ms", "max_ms", "req_per_s"):
+                out[prefixes[mode] + key] = round(s[key], 3 if key.endswith("ms") else 2)
+        return out
 
     per_kind = {kind: figures_of(kind) for kind in kinds}
     figures = {
@@ -266,7 +264,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     def plot(ax: Any) -> None:
-        for mode, style in (("pipeline", "-"), ("threads", "-."), ("unbounded", "--"), ("inline", ":")):
+        styles = {"pipeline": "-", "engine-process": "-", "threads": "-.", "unbounded": "--", "inline": ":"}
+        for mode in modes:
+            style = styles[mode]
             samples: list[tuple[float, float]] = results[mode, kinds[0]][-1]["samples"]  # type: ignore[assignment]
             t0 = samples[0][0]
             ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)

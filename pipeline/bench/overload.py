@@ -26,6 +26,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=32, help="max_pending_requests of the pipeline")
     parser.add_argument("--factor", type=int, default=10)
+    parser.add_argument("--engine-mode", choices=("thread", "process"), default=PipelineConfig().engine_mode)
     parser.add_argument("--out", default=None)
 
 
@@ -40,7 +41,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rss: dict[str, float] = {}
 
     async def main() -> None:
-        config = PipelineConfig(max_pending_requests=args.capacity, stage_queue_size=args.capacity)
+        config = PipelineConfig(
+            max_pending_requests=args.capacity, stage_queue_size=args.capacity, engine_mode=args.engine_mode
+        )
         async with Pipeline(config, tracer=tracer_for(args)) as pipe:
             rss["start_mb"] = _rss_mb()
             handles: list[RequestHandle] = []
@@ -69,11 +72,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     anyio.run(main)
     lost = counts["accepted"] - counts["completed"] - counts["failed"] - counts["cancelled"]
-    print(f"\noverload: {submitted} requests (half with a 1024x768 image) at capacity {args.capacity}, {machine()}")
+    print(
+        f"\noverload: {submitted} requests (half with a 1024x768 image) at capacity {args.capacity}, "
+        f"engine {args.engine_mode}, {machine()}"
+    )
     print_table(list(counts) + ["lost", "peak RSS MB"], [[*counts.values(), lost, rss["peak_mb"]]])
     figures = {
         "scenario": "overload",
         "submitted": submitted,
+        "engine_mode": args.engine_mode,
         **counts,
         "lost": lost,
         "rss_start_mb": round(rss["start_mb"], 1),

@@ -1,8 +1,9 @@
 """tpot-under-load: time per output token of running decodes while an image burst is prepared ÷ idle.
 
-The decode loop runs on its own thread. Image preparation runs in worker processes at low priority
-(process mode) or in worker threads of the same interpreter (thread mode); both modes run in one
-invocation, so their ratios compare like with like. On this machine everything shares two cores.
+The decode loop runs on a thread of the serving process (engine thread) or in its own process (engine
+process). Image preparation runs in worker processes at low priority (process mode) or in worker
+threads of the same interpreter (thread mode). Every pair of modes runs in one invocation, so their
+ratios compare like with like. On this machine everything shares two cores.
 
 Two bursts per mode: every request with an image of its own (``distinct``: each is decoded,
 processed and encoded) and every request with one image (``repeated``: encoder-cache hits after the
@@ -46,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", type=int, default=64, help="image requests prepared meanwhile")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="process,thread", help="preparation modes, comma-separated")
+    parser.add_argument("--engine-modes", default="process,thread", help="engine modes, comma-separated")
     parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
     parser.add_argument("--out", default=None)
 
@@ -115,16 +117,23 @@ async def warm_up(pipe: Pipeline, data_url: str) -> None:
 
 
 async def _measure(
-    mode: str, args: argparse.Namespace, bursts: dict[str, list[list[str]]], warm_url: str
+    mode: str, engine_mode: str, args: argparse.Namespace, bursts: dict[str, list[list[str]]], warm_url: str
 ) -> dict[str, dict[str, list[float]]]:
     """Per image kind: idle and loaded TPOT medians and gaps, and the burst's requests/s."""
     out: dict[str, dict[str, list[float]]] = {
         kind: {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": []} for kind in bursts
     }
-    config = PipelineConfig(model=args.model, max_pending_requests=1024, stage_queue_size=1024, preparation_mode=mode)
+    config = PipelineConfig(
+        model=args.model,
+        max_pending_requests=1024,
+        stage_queue_size=1024,
+        preparation_mode=mode,
+        engine_mode=engine_mode,
+    )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
-        for r in tqdm(range(args.repeats), desc=f"tpot-under-load {mode}", file=sys.stderr):
+        desc = f"tpot-under-load {mode}, engine {engine_mode}"
+        for r in tqdm(range(args.repeats), desc=desc, file=sys.stderr):
             for kind, runs in bursts.items():
                 res = out[kind]
                 idle = await _decode_gaps(pipe, args.decodes, args.tokens, [])
@@ -155,8 +164,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--images: choose from {', '.join(IMAGES)}")
     bursts, warm_url = _bursts(args, kinds)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    engine_modes = [m.strip() for m in args.engine_modes.split(",") if m.strip()]
     load_before = load_average()
-    results = {mode: anyio.run(_measure, mode, args, bursts, warm_url) for mode in modes}
+    # keys "process/engine thread": preparation mode / engine mode
+    results = {
+        f"{mode}/engine {engine}": anyio.run(_measure, mode, engine, args, bursts, warm_url)
+        for engine in engine_modes
+        for mode in modes
+    }
     print(
         f"\ntpot-under-load: {args.decodes} decodes of {args.tokens} tokens, burst of {args.burst} image "
         f"requests (distinct: an image each; repeated: one image),"
@@ -165,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows, per_mode = [], {}
     for mode, kind in ((m, k) for m in results for k in kinds):
         res = results[mode][kind]
+        prep, engine = mode.split("/")
         idle, load = median(res["idle"]), median(res["load"])
         idle_p99, load_p99 = percentile(res["idle_gaps"], 99), percentile(res["load_gaps"], 99)
         per_mode[f"{mode}/{kind}"] = {
@@ -179,7 +195,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         m = per_mode[f"{mode}/{kind}"]
         rows.append(
             [
-                mode,
+                prep,
+                engine,
                 kind,
                 idle * 1000,
                 idle_p99 * 1000,
@@ -192,7 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     print_table(
         [
-            "mode",
+            "preparation",
+            "engine",
             "images",
             "idle p50 ms",
             "idle p99 ms",
@@ -205,11 +223,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows,
     )
     print("(targets, both image kinds: p50 ratio <= 1.10, p99 ratio <= 1.5)")
-    default = PipelineConfig().preparation_mode
-    main_key = f"{default}/{kinds[0]}" if default in results else f"{modes[0]}/{kinds[0]}"
+    default = f"{PipelineConfig().preparation_mode}/engine {PipelineConfig().engine_mode}"
+    main_key = f"{default}/{kinds[0]}" if default in results else f"{next(iter(results))}/{kinds[0]}"
     figures = {
         "scenario": "tpot-under-load",
         "mode": main_key.split("/")[0],
+        "engine_mode": main_key.split("/")[1].removeprefix("engine "),
         "images": kinds[0],
         **per_mode[main_key],
         "modes": per_mode,

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_grammars import EngineGrammars
 from pipeline.core.engine_wire import (
@@ -214,6 +216,8 @@ def main(fd: int) -> None:
     parent_pid, spec = pickle.loads(_first_frame(sock, FrameReader()))
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
+    if spec.config.engine_torch_threads:
+        torch.set_num_threads(spec.config.engine_torch_threads)
     try:
         checkpoint = Checkpoint(Path(spec.checkpoint_path))
         engine = build_llm_engine(checkpoint, spec.config, device=spec.device)
