@@ -45,20 +45,28 @@ class EngineGrammars:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached.grammar
+        flight = self._start(key, spec)
+        fast = self._cache.get(("llguidance", spec.key)) if backend == "xgrammar" else None
+        if fast is not None:
+            # the serving process once served this spec with llguidance while its xgrammar compile
+            # ran (over the budget: seconds): here too, until ours has finished
+            return fast.grammar
+        return flight
+
+    def _start(self, key: tuple[str, str], spec: GrammarSpec) -> Future[Compiled]:
         flight = self._flights.get(key)
         if flight is None:
-            flight = self._flights[key] = self._executor.submit(self._compile, backend, spec)
+            flight = self._flights[key] = self._executor.submit(self._compile, key[0], spec)
             flight.add_done_callback(lambda _: self._on_done())
         return flight
 
-    def finish(self, backend: str, spec: GrammarSpec, flight: Future[Compiled]) -> Any:
-        """The grammar of a finished compile (cached once). :raises Exception: the compile's error."""
-        key = (backend, spec.key)
-        if self._flights.get(key) is flight:
-            del self._flights[key]
-            if flight.exception() is None:
-                self._keep(key, flight.result())
-        return flight.result().grammar
+    def collect(self) -> None:
+        """Cache the compiles that have finished (failed ones are dropped: their waiters hold them)."""
+        for key, flight in list(self._flights.items()):
+            if flight.done():
+                del self._flights[key]
+                if not flight.cancelled() and flight.exception() is None:
+                    self._keep(key, flight.result())
 
     def _keep(self, key: tuple[str, str], compiled: Compiled) -> None:
         self._cache[key] = compiled

@@ -170,14 +170,14 @@ class EngineServer:
     def _admit_compiled(self) -> list[SeqOutput]:
         """Add the requests whose grammar has compiled; the outputs of those whose compile failed."""
         failed: list[SeqOutput] = []
+        self.grammars.collect()
         for request_id, waiting in list(self._waiting.items()):
             if not waiting.flight.done():
                 continue
             del self._waiting[request_id]
             inp = waiting.inp
-            assert inp.grammar_source is not None
             try:
-                inp.grammar = self.grammars.finish(*inp.grammar_source, waiting.flight)
+                inp.grammar = waiting.flight.result().grammar
             except Exception as exc:  # it compiled in the serving process: a fault of this one
                 message = f"the engine process could not compile the request's grammar: {exc}"
                 failed += [
