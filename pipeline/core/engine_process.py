@@ -95,6 +95,7 @@ class EngineServer:
         self.grammars = EngineGrammars(spec.config, checkpoint, on_done=self._wake)
         self._waiting: dict[str, _Waiting] = {}
         self._num_read = 0
+        self._num_acked = 0  # the count of commands read that the serving process was last told
         self._sent_at = time.monotonic()
 
     def _wake(self) -> None:
@@ -103,6 +104,8 @@ class EngineServer:
     def send(self, message: Any) -> None:
         self.sock.sendall(frame(ENCODER.encode(message)))
         self._sent_at = time.monotonic()
+        if isinstance(message, Step | BarrierReached | Alive):
+            self._num_acked = message.acked
 
     def _figures(self) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
         stats, held, prefix = figures(self.engine)
@@ -121,7 +124,11 @@ class EngineServer:
                 outputs += engine.step()
             if outputs:
                 self.send(Step(outputs, self._num_read, *self._figures()))
-            elif (busy or self._waiting) and time.monotonic() - self._sent_at > ALIVE_EVERY_S:
+            elif self._num_read != self._num_acked or (
+                (busy or self._waiting) and time.monotonic() - self._sent_at > ALIVE_EVERY_S
+            ):
+                # commands read and no step to say so (adds aborted at once, a barrier's aborts):
+                # the serving process bounds the commands it has not seen read
                 self.send(Alive(self._num_read))
 
     def _read(self, timeout: float | None) -> bool:

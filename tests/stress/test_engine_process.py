@@ -93,3 +93,20 @@ async def test_a_failed_engine_process_fails_its_requests_and_a_new_one_serves(
         guided = dict(SHORT, max_tokens=32, response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
         assert (await (await pipe.submit(guided)).result()).finish_reason in ("stop", "length")
         await assert_released(pipe)
+
+
+async def test_adds_aborted_at_once_do_not_fill_the_engine_queue(pipe: Pipeline) -> None:
+    """Adds the engine reads together with their aborts give it no step to report; it still says it
+    read them, so the serving process's bound on unread commands does not fill up for good."""
+    engine = _engine(pipe)
+    inputs = [await pipe.prepare(dict(SHORT, max_tokens=64)) for _ in range(engine.queue_size // 2)]
+    with anyio.fail_after(60):
+        for inp in inputs:
+            engine.submit(inp)
+            engine.abort(inp.request_id)  # written behind its add, read with it
+        while True:  # the engine says it read them all: the ack has no event of its own to wait on
+            if engine._num_sent == engine._num_acked:
+                break
+            await anyio.sleep(0.01)  # noqa: sleep-ok: polls the client's count of acked commands
+        assert (await (await pipe.submit(SHORT)).result()).completion_tokens == 4
+        await assert_released(pipe)
