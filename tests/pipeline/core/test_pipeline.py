@@ -120,3 +120,13 @@ async def test_cancel_frees_the_engine(pipe: Pipeline) -> None:
     with pytest.raises(RequestCancelled):
         await handle.result()
     await assert_released(pipe)
+
+
+async def test_logprobs_come_with_every_token(pipe: Pipeline) -> None:
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    body |= {"logprobs": True, "top_logprobs": 2}
+    result = await (await pipe.submit(body)).result()
+    choice = result.choices[0]
+    assert [e.token_id for e in choice.logprobs] == choice.token_ids and len(choice.token_ids) == 6
+    assert all(len(e.top) == 2 and e.logprob <= 0 for e in choice.logprobs)
+    assert pipe.token_table[choice.token_ids[0]]  # the bytes entries show, from the engine in either mode
