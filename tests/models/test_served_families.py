@@ -45,18 +45,22 @@ def _expected(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> l
 
 
 @pytest.mark.parametrize(
-    ("family", "with_image"),
+    ("family", "with_image", "engine_mode"),
     [
-        ("qwen3", False),
-        ("gemma3", False),
-        ("mistral3", True),
-        ("gemma3-vlm", False),
-        ("gemma3-vlm", True),
-        ("qwen2.5-vl", True),
-        ("qwen3-vl", True),
+        ("qwen3", False, "thread"),
+        ("gemma3", False, "thread"),
+        ("mistral3", True, "thread"),
+        ("gemma3-vlm", False, "thread"),
+        ("gemma3-vlm", True, "thread"),
+        ("qwen2.5-vl", True, "thread"),
+        ("qwen3-vl", True, "thread"),
+        # the engine in its own process: embeddings, M-RoPE positions and DeepStack rows cross to it
+        ("qwen3-vl", True, "process"),
     ],
 )
-async def test_the_served_answer_is_transformers_own(family: str, with_image: bool, family_dir: FamilyDir) -> None:
+async def test_the_served_answer_is_transformers_own(
+    family: str, with_image: bool, engine_mode: str, family_dir: FamilyDir
+) -> None:
     folder = family_dir(family)
     image = make_image(96, 64, seed=7)
     parts: list[dict[str, Any]] = [{"type": "text", "text": "Describe the quick brown fox."}]
@@ -66,7 +70,13 @@ async def test_the_served_answer_is_transformers_own(family: str, with_image: bo
         content.append({"type": "image_url", "image_url": {"url": data_url(encode(image))}})
     expected = _expected(folder, parts, [image] if with_image else [])
     config = PipelineConfig(
-        model=str(folder), device="cpu", max_running_seqs=4, num_kv_blocks=64, max_model_len=512, prep_workers=1
+        model=str(folder),
+        device="cpu",
+        max_running_seqs=4,
+        num_kv_blocks=64,
+        max_model_len=512,
+        prep_workers=1,
+        engine_mode=engine_mode,
     )
     with anyio.fail_after(180):
         async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
@@ -81,7 +91,7 @@ async def test_the_served_answer_is_transformers_own(family: str, with_image: bo
                 )
             finally:
                 await client.close()
-            table = pipe.engine.engine.token_bytes.table
+            table = pipe.token_table
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
     served = [bytes(entry.bytes or []) for entry in logprobs.content]

@@ -12,6 +12,7 @@ from pipeline.types import GrammarSpec
 from sampling.inputs import EngineInput, ImageKey, SeqOutput
 from sampling.logits_process import TokenLogprob
 from sampling.params import SamplingParams
+from vision.mrope import MRopePositions
 
 
 def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
@@ -35,8 +36,13 @@ def test_an_input_crosses_with_its_embeddings_and_grammar_source(dtype: torch.dt
         grammar=object(),  # the serving process's compiled grammar: it stays there
         grammar_source=("llguidance", spec),
         image_keys=[ImageKey("abc", 3)],
+        mrope=MRopePositions(torch.arange(15).view(3, 5), 2),
+        extra_prefill={"deepstack_visual_embeds": torch.randn(3, 2, 8).to(dtype)},
     )
     back = decode_input(pickle.loads(pickle.dumps(encode_input(inp))))
+    assert back.mrope is not None and inp.mrope is not None and back.mrope.delta == 2
+    assert torch.equal(back.mrope.positions, inp.mrope.positions)
+    assert torch.equal(back.extra_prefill["deepstack_visual_embeds"], inp.extra_prefill["deepstack_visual_embeds"])
     assert back.grammar is None and back.grammar_source == ("llguidance", spec)
     assert back.image_embeds is not None and back.image_embeds.dtype == dtype
     assert torch.equal(back.image_embeds, embeds)
