@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -32,11 +32,12 @@ class EngineInput:
     image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
     sampling: SamplingParams
     grammar: Any | None = None  # xgrammar.CompiledGrammar | LLGrammar
+    # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
+    grammar_trigger: int | None = None
+    _: KW_ONLY  # what follows is named: a new field can never shift a caller's positional arguments
     # (backend, GrammarSpec) the grammar was compiled from: what an engine in another process compiles
     # again (a compiled grammar costs 3-20x its compile to serialize)
     grammar_source: tuple[str, Any] | None = None
-    # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
-    grammar_trigger: int | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage
     # the prompt's images by content, in order; empty: unknown, and KV blocks holding image tokens are
     # then never shared (sampling/prefix_cache.py)

@@ -201,7 +201,12 @@ async def test_health_says_stopping_while_the_shutdown_drains(served: Served) ->
             tg.start_soon(drain)
             async with served.session.get(f"{served.base}/health") as resp:
                 assert resp.status == 503
-                assert await resp.json() == {"status": "stopping", "pending": 1, "decoding": pipe.decoding()}
+                assert await resp.json() == {
+                    "status": "stopping",
+                    "engine": "ok",
+                    "pending": 1,
+                    "decoding": pipe.decoding(),
+                }
             status, body, retry_after = await served.post(image_request([data_url(PNG)]))
             assert (status, body["error"]["code"], retry_after) == (503, "shutting_down", "1")
             assert not drained  # the request in flight holds the drain
