@@ -1,10 +1,13 @@
 """compile: time to first token with a never-seen schema ÷ with no schema, per grammar backend; cache hit.
 
-The grammar compile starts at admission and overlaps fetch, decode and encode, so with an image in
-the request a new schema should cost little extra time to first token. Each repeat sends one request
+The grammar compile starts at admission and overlaps fetch, decode and encode, so with a new image
+in the request a new schema should cost little extra time to first token. Where preparation is
+short (a text-only request, or an image the encoder cache holds) nothing hides the compile: there
+llguidance serves a new schema's first requests while xgrammar compiles in the background (auto).
+Each repeat sends, for every preparation (text only, a cached image, a distinct image), one request
 of every kind (no schema, a new schema, a new schema with bounded strings) back to back, in an order
 that rotates between repeats; each kind's ratio is the median over repeats of its TTFT ÷ the
-no-schema TTFT of the same repeat, so drift of a shared machine cancels within a repeat.
+no-schema TTFT of the same repeat and preparation, so drift of a shared machine cancels within a repeat.
 """
 
 from __future__ import annotations
@@ -38,11 +41,16 @@ __all__ = ["add_arguments", "run", "schema"]
 BACKENDS = ("auto", "xgrammar", "llguidance")
 KINDS = ("none", "new", "bounded")  # no schema, a new schema, a new schema with minLength/maxLength strings
 LABELS = {"new": "new schema", "bounded": "bounded strings"}
+PREPS = ("text", "cached", "distinct")  # no image; one image every request repeats; a new image each
+PREP_LABELS = {"text": "text only", "cached": "cached image", "distinct": "distinct image"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=40, help="requests of each kind per backend")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: auto, xgrammar, llguidance")
+    parser.add_argument(
+        "--preparations", default=",".join(PREPS), help="comma-separated: text, cached, distinct (the request's images)"
+    )
     parser.add_argument("--out", default=None)
 
 
@@ -67,8 +75,10 @@ def schema(i: int, *, bounded_strings: bool = False) -> dict[str, Any]:
     }
 
 
-def _body(data_url: str, grammar: dict[str, Any] | None) -> dict[str, Any]:
-    content = [{"type": "text", "text": "Describe."}, {"type": "image_url", "image_url": {"url": data_url}}]
+def _body(data_url: str | None, grammar: dict[str, Any] | None) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": "Describe."}]
+    if data_url is not None:
+        content.append({"type": "image_url", "image_url": {"url": data_url}})
     body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
     if grammar is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": grammar}}
@@ -79,40 +89,57 @@ def _grammar(kind: str, i: int) -> dict[str, Any] | None:
     return None if kind == "none" else schema(i, bounded_strings=kind == "bounded")
 
 
-async def _measure(backend: str, repeats: int, data_urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """TTFT of each kind of request (seconds), the backend that served each, and cache hits (ms).
+async def _measure(
+    backend: str, repeats: int, preps: list[str], data_urls: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """TTFT of each preparation and kind of request (seconds), the backend that served each, and
+    cache hits (ms).
 
-    Every request carries an image of its own (``data_urls``, never reused within one pipeline), so
-    its preparation runs whole beside the compile, as a new image's would."""
+    A distinct-image request carries an image of its own (from ``data_urls``, never reused within one
+    pipeline), so its preparation runs whole beside the compile, as a new image's would; a
+    cached-image request repeats the warm-up's first image, whose embeddings the encoder cache holds."""
     images = iter(data_urls)
-    ttft: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    served: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS if kind != "none"}
+    cached_url = next(images)
+    ttft: dict[str, dict[str, list[float]]] = {prep: {kind: [] for kind in KINDS} for prep in preps}
+    served: dict[str, dict[str, Counter[str]]] = {prep: {kind: Counter() for kind in KINDS[1:]} for prep in preps}
     hits: list[float] = []
-    offset = 1000 * (1 + BACKENDS.index(backend))  # distinct names per backend: never a hit
+    offset = 10_000 * (1 + BACKENDS.index(backend))  # distinct names per backend: never a hit
+
+    def url(prep: str) -> str | None:
+        return None if prep == "text" else cached_url if prep == "cached" else next(images)
+
     async with Pipeline(PipelineConfig(grammar_backend=backend), tracer=tracer_for(args)) as pipe:
         grammar = pipe.preparation.grammar
-        for kind in KINDS:  # warm-up: the first image, the first compile of each backend
-            await (await pipe.submit(_body(next(images), _grammar(kind, offset - 1)))).result()
-            await grammar.wait_idle()
-        for i in tqdm(range(repeats), desc=f"compile {backend}", file=sys.stderr):
-            for kind in KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]:
-                result = await (await pipe.submit(_body(next(images), _grammar(kind, offset + i)))).result()
-                ttft[kind].append(result.timings["first_token"])
-                if kind != "none":
-                    served[kind][result.grammar_backend or "?"] += 1
-                # an xgrammar compile that ran over its budget (auto) finishes in the background:
-                # untimed here, so it does not slow the next request's preparation
+        await (await pipe.submit(_body(cached_url, None))).result()  # its embeddings now cached
+        for p, prep in enumerate(preps):  # warm-up: each preparation, the first compile of each backend
+            for kind in KINDS:
+                await (await pipe.submit(_body(url(prep), _grammar(kind, offset - 1 - p)))).result()
                 await grammar.wait_idle()
-            spec = GrammarSpec("json_schema", schema(offset + i))
-            started = time.perf_counter()
-            await grammar.compile(spec)
-            hits.append((time.perf_counter() - started) * 1000)
+        for i in tqdm(range(repeats), desc=f"compile {backend}", file=sys.stderr):
+            for p, prep in enumerate(preps):
+                index = offset + len(PREPS) * i + p
+                for kind in KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]:
+                    result = await (await pipe.submit(_body(url(prep), _grammar(kind, index)))).result()
+                    ttft[prep][kind].append(result.timings["first_token"])
+                    if kind != "none":
+                        served[prep][kind][result.grammar_backend or "?"] += 1
+                    # xgrammar compiles that outlast a request (auto) finish in the background:
+                    # untimed here, so they do not slow the next request
+                    await grammar.wait_idle()
+                spec = GrammarSpec("json_schema", schema(index))
+                started = time.perf_counter()
+                await grammar.compile(spec)
+                hits.append((time.perf_counter() - started) * 1000)
     return {"ttft": ttft, "served": served, "hit_ms": hits}
 
 
-def _summary(backend: str, run: dict[str, Any]) -> dict[str, Any]:
-    ttft, hits = run["ttft"], run["hit_ms"]
-    out: dict[str, Any] = {"backend": backend, "ttft_ms_none": round(median(ttft["none"]) * 1000, 2)}
+def _summary(backend: str, prep: str, run: dict[str, Any]) -> dict[str, Any]:
+    ttft, hits = run["ttft"][prep], run["hit_ms"]
+    out: dict[str, Any] = {
+        "backend": backend,
+        "preparation": prep,
+        "ttft_ms_none": round(median(ttft["none"]) * 1000, 2),
+    }
     for kind in ("new", "bounded"):
         ratios = [t / n for t, n in zip(ttft[kind], ttft["none"], strict=True)]
         out[f"ttft_ms_{kind}"] = round(median(ttft[kind]) * 1000, 2)
@@ -121,7 +148,7 @@ def _summary(backend: str, run: dict[str, Any]) -> dict[str, Any]:
         out[f"ratio_{kind}_p75"] = round(percentile(ratios, 75), 3)
         out[f"ratio_{kind}_min"] = round(min(ratios), 3)
         out[f"ratio_{kind}_max"] = round(max(ratios), 3)
-        out[f"served_{kind}"] = dict(run["served"][kind])
+        out[f"served_{kind}"] = dict(run["served"][prep][kind])
     out["cache_hit_ms_p50"] = round(median(hits), 4)
     out["cache_hit_ms_max"] = round(max(hits), 4)
     return out
@@ -133,23 +160,28 @@ def _served(counts: dict[str, int]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    preps = [p.strip() for p in args.preparations.split(",") if p.strip()]
+    for prep in preps:
+        if prep not in PREPS:
+            raise SystemExit(f"--preparations: unknown {prep!r} (choose from {', '.join(PREPS)})")
     load = [load_average()]
-    jpegs = DistinctImages().jpegs(0, len(KINDS) * (1 + args.repeats))
+    jpegs = DistinctImages().jpegs(0, 1 + len(KINDS) * (1 + args.repeats))
     data_urls = [jpeg_data_url(j) for j in jpegs]
-    runs = {backend: anyio.run(_measure, backend, args.repeats, data_urls, args) for backend in backends}
-    results = [_summary(backend, r) for backend, r in runs.items()]
+    runs = {backend: anyio.run(_measure, backend, args.repeats, preps, data_urls, args) for backend in backends}
+    results = [_summary(backend, prep, r) for backend, r in runs.items() for prep in preps]
     load.append(load_average())
+    print(f"\ncompile: max_tokens=1, {args.repeats} repeats, {machine()}, load {load[0]} -> {load[1]}")
+    print("(text only: no image; cached image: one image every request repeats; distinct image: a new one each)")
     print(
-        f"\ncompile: image request (a distinct image each), max_tokens=1, {args.repeats} repeats, "
-        f"{machine()}, load {load[0]} -> {load[1]}"
+        "(auto: the dispatch table, the xgrammar budget and the preparation choose per request; the others are forced)"
     )
-    print("(auto: the dispatch table and the xgrammar budget choose per request; the others are forced)")
     rows = []
     for r in results:
         for kind in ("new", "bounded"):
             rows.append(
                 [
                     r["backend"],
+                    PREP_LABELS[r["preparation"]],
                     LABELS[kind],
                     _served(r[f"served_{kind}"]),
                     r["ttft_ms_none"],
@@ -161,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["cache_hit_ms_max"],
                 ]
             )
-    headers = ["backend", "schema", "served by", "TTFT none ms", "TTFT ms", "ratio", "IQR", "min-max"]
+    headers = ["backend", "request", "schema", "served by", "TTFT none ms", "TTFT ms", "ratio", "IQR", "min-max"]
     headers += ["hit ms", "hit max"]
     print_table(headers, rows)
     print("(TTFT: medians; ratio: median over repeats of TTFT ÷ the same repeat's no-schema TTFT; target ≤ 1.10,")
@@ -170,9 +202,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def plot(ax: Any) -> None:
         for backend, r in runs.items():
-            ax.plot([t * 1000 for t in r["ttft"]["bounded"]], "^-", label=f"{backend}: bounded strings")
-            ax.plot([t * 1000 for t in r["ttft"]["new"]], "s-", label=f"{backend}: new schema")
-            ax.plot([t * 1000 for t in r["ttft"]["none"]], "o:", label=f"{backend}: no schema")
+            for prep in preps:
+                label = f"{backend}, {PREP_LABELS[prep]}"
+                ax.plot([t * 1000 for t in r["ttft"][prep]["bounded"]], "^-", label=f"{label}: bounded strings")
+                ax.plot([t * 1000 for t in r["ttft"][prep]["new"]], "s-", label=f"{label}: new schema")
+                ax.plot([t * 1000 for t in r["ttft"][prep]["none"]], "o:", label=f"{label}: no schema")
         ax.set_xlabel("repeat")
         ax.set_ylabel("time to first token (ms)")
         ax.set_yscale("log")
