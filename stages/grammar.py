@@ -2,11 +2,14 @@
 bounded, and unable to starve the server.
 
 - The backend comes from the spec's features (``stages.grammar_dispatch``). A spec meant for
-  xgrammar goes to llguidance instead when both xgrammar compile slots are taken, or when its
-  xgrammar compile has not finished within ``xgrammar_budget_s``: llguidance compiles in
-  milliseconds, so cheap specs and refusals answer at once while a big schema compiles. The late
-  xgrammar compile still finishes (a thread cannot be interrupted), holding its slot, and its result
-  replaces the llguidance one in the cache.
+  xgrammar is served by llguidance instead (a stand-in) when both xgrammar compile slots are taken,
+  when its xgrammar compile has not finished within ``xgrammar_budget_s``, or when the request needs
+  its constraint before that (``needed``: a text-only request, cached images, preparation done):
+  llguidance compiles in milliseconds, so cheap specs and refusals answer at once while a big schema
+  compiles, and a short preparation does not wait for a compile it cannot hide. The xgrammar compile
+  goes on in the background (a thread cannot be interrupted), holding its slot, and its result
+  replaces the stand-in in the cache; a stand-in served while the slots were busy is replaced the
+  same way by the first cache hit that finds a slot free.
 - An EBNF or Lark grammar or a structural tag is parsed first, without a compile slot: a malformed
   one is a 400 at once, never a wait behind busy slots; what llguidance cannot compile of these
   (xgrammar's look-ahead, structural-tag formats Lark cannot say) waits for xgrammar.
@@ -25,8 +28,10 @@ bounded, and unable to starve the server.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +55,10 @@ __all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
 # grammar: over 1 GB) would otherwise stay with the process
 _TRIM_AFTER_S = 0.5
 _TRIM_AFTER_CHARS = 64 * 1024
+_BACKGROUND_NICE = 19
+# why llguidance served a spec meant for xgrammar: its grammar is replaced once xgrammar compiled it
+_SLOTS_BUSY = "xgrammar compile slots busy"
+_STAND_IN_REASONS = frozenset({_SLOTS_BUSY, "xgrammar compile over budget", "xgrammar compile outlasts preparation"})
 
 
 @dataclass
@@ -73,6 +82,7 @@ class CompiledConstraint:
     grammar: Any  # xgr.CompiledGrammar | LLGrammar
     check: AnswerCheck
     nbytes: int
+    is_stand_in: bool = False  # llguidance's, until xgrammar's compile of the same spec replaces it
 
 
 class GrammarStage:
@@ -163,11 +173,11 @@ class GrammarStage:
         while self._flights:
             await next(iter(self._flights.values())).wait()
 
-    def _compile_sync(self, backend: str, spec: GrammarSpec) -> Compiled:
+    def _compile_sync(self, backend: str, spec: GrammarSpec, nice: int) -> Compiled:
         check_limits(spec, self.limits)
         started = time.perf_counter()
         try:
-            return run_on_large_stack(lambda: self.compilers[backend].compile(spec))
+            return run_on_large_stack(lambda: self.compilers[backend].compile(spec), nice=nice)
         except BaseException as exc:
             # a Rust panic that llguidance's bindings let through is pyo3's PanicException, a
             # BaseException: it fails this spec, not the stage's task group
@@ -182,7 +192,9 @@ class GrammarStage:
         check_limits(spec, self.limits)  # a compile's bounds and stack: the parse reads the same text
         run_on_large_stack(lambda: self._parser.parse(spec))
 
-    async def _job(self, backend: str, reason: str, spec: GrammarSpec, flight: Outcome[CompiledConstraint]) -> None:
+    async def _job(
+        self, backend: str, reason: str, spec: GrammarSpec, flight: Outcome[CompiledConstraint], nice: int
+    ) -> None:
         started = time.perf_counter()
         limiter = self.limiter if backend == "xgrammar" else self.fast_limiter
         try:
@@ -190,10 +202,11 @@ class GrammarStage:
             # them): then nobody waits for the result, and a compile cannot be interrupted (xgrammar's
             # worst took 72 s here).
             compiled = await anyio.to_thread.run_sync(
-                self._compile_sync, backend, spec, limiter=limiter, abandon_on_cancel=self.abandon_on_shutdown
+                self._compile_sync, backend, spec, nice, limiter=limiter, abandon_on_cancel=self.abandon_on_shutdown
             )
+            is_stand_in = backend == "llguidance" and reason in _STAND_IN_REASONS
             result: CompiledConstraint | PipelineError = CompiledConstraint(
-                spec.kind, backend, reason, compiled.grammar, compiled.check, compiled.nbytes
+                spec.kind, backend, reason, compiled.grammar, compiled.check, compiled.nbytes, is_stand_in
             )
             self.stats.backends[f"{backend}: {reason}"] += 1
         except PipelineError as exc:
@@ -211,34 +224,53 @@ class GrammarStage:
         is_grammar = isinstance(result, CompiledConstraint)
         if current is None or (is_grammar and (isinstance(current, PipelineError) or backend == "xgrammar")):
             self._cache.store(spec.key, result)
+        current = self._cache.get(spec.key)
+        if backend == "xgrammar" and isinstance(current, CompiledConstraint) and current.is_stand_in:
+            # xgrammar failed, or its grammar is too big to cache: the stand-in stays, and no hit retries
+            self._cache.store(spec.key, dataclasses.replace(current, is_stand_in=False))
         if isinstance(result, CompiledConstraint):
             flight.set_result(result)
         else:
             flight.fail(result)
 
-    def _flight(self, backend: str, reason: str, spec: GrammarSpec) -> tuple[Outcome[CompiledConstraint], bool]:
-        """The job compiling ``spec`` with ``backend`` (started now if none); True when it is new."""
+    def _flight(
+        self, backend: str, reason: str, spec: GrammarSpec, nice: int = 0
+    ) -> tuple[Outcome[CompiledConstraint], bool]:
+        """The job compiling ``spec`` with ``backend`` (started now if none, ``nice`` added to its
+        thread's niceness); True when it is new."""
         flight = self._flights.get((backend, spec.key))
         if flight is not None:
             return flight, False
         flight = self._flights[(backend, spec.key)] = Outcome()
         if self._tg is not None:
-            self._tg.start_soon(self._job, backend, reason, spec, flight)
+            self._tg.start_soon(self._job, backend, reason, spec, flight, nice)
         return flight, True
 
     async def _await(
-        self, backend: str, reason: str, spec: GrammarSpec, *, budget_s: float | None = None
+        self,
+        backend: str,
+        reason: str,
+        spec: GrammarSpec,
+        *,
+        budget_s: float | None = None,
+        needed: anyio.Event | None = None,
+        nice: int = 0,
     ) -> Outcome[CompiledConstraint]:
-        """The job's outcome once it is done, or (with ``budget_s``) when that runs out first."""
-        flight, is_new = self._flight(backend, reason, spec)
+        """The job's outcome once it is done, or (with ``budget_s``, ``needed``) when the budget runs
+        out or ``needed`` is set first."""
+        flight, is_new = self._flight(backend, reason, spec, nice)
         if is_new and self._tg is None:  # no task group to leave the job in: run it here, shielded
             with anyio.CancelScope(shield=True):
-                await self._job(backend, reason, spec, flight)
-        with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
-            await flight.wait()
+                await self._job(backend, reason, spec, flight, nice)
+        if needed is None:
+            with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
+                await flight.wait()
+        elif not needed.is_set() and not flight.is_done:
+            with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
+                await _first_of(flight.wait, needed.wait)
         return flight
 
-    async def _resolve(self, spec: GrammarSpec) -> Outcome[CompiledConstraint]:
+    async def _resolve(self, spec: GrammarSpec, needed: anyio.Event | None) -> Outcome[CompiledConstraint]:
         if self.backend == "llguidance" and spec.kind in LLGUIDANCE_KINDS:
             return await self._await("llguidance", "forced by config", spec)
         if self.backend != "auto":
@@ -263,22 +295,42 @@ class GrammarStage:
                 failed: Outcome[CompiledConstraint] = Outcome()
                 failed.fail(refusal)
                 return failed
-        is_busy = self.limiter.borrowed_tokens >= self.limiter.total_tokens
-        if is_busy and ("xgrammar", spec.key) not in self._flights:
-            fallback = await self._await("llguidance", "xgrammar compile slots busy", spec)
-            if fallback.error is None or not is_dialect:
-                return fallback
-            return await self._await("xgrammar", "llguidance could not compile it", spec)
-        flight = await self._await("xgrammar", dispatch.reason, spec, budget_s=self.xgrammar_budget_s)
+        if ("xgrammar", spec.key) not in self._flights and self._is_busy():
+            return await self._stand_in(spec, _SLOTS_BUSY, None, is_dialect)
+        # llguidance stands in for whoever needs the constraint before this compile ends, so it
+        # holds up no request's own work: the lowest priority (its threads hold the GIL ~0.4 ms)
+        nice = 0 if is_dialect else _BACKGROUND_NICE
+        budget_s = self.xgrammar_budget_s
+        flight = await self._await("xgrammar", dispatch.reason, spec, budget_s=budget_s, needed=needed, nice=nice)
         if flight.is_done and flight.error is None:
             return flight
-        reason = "xgrammar compile over budget" if not flight.is_done else "xgrammar could not compile it"
+        if flight.is_done:
+            reason = "xgrammar could not compile it"
+        elif needed is not None and needed.is_set():
+            reason = "xgrammar compile outlasts preparation"
+        else:
+            reason = "xgrammar compile over budget"
+        return await self._stand_in(spec, reason, flight, is_dialect)
+
+    def _is_busy(self) -> bool:
+        return self.limiter.borrowed_tokens >= self.limiter.total_tokens
+
+    async def _stand_in(
+        self, spec: GrammarSpec, reason: str, xgrammar: Outcome[CompiledConstraint] | None, is_dialect: bool
+    ) -> Outcome[CompiledConstraint]:
+        """llguidance's compile of a spec meant for xgrammar; where llguidance fails, ``xgrammar``'s
+        outcome (its job, started now if None) decides when llguidance's refusal may not be final."""
         fallback = await self._await("llguidance", reason, spec)
-        if fallback.error is not None and flight.is_done:
-            return flight  # both failed: the default backend's error is the one reported
-        if fallback.error is not None and is_dialect:
-            await flight.wait()  # what llguidance cannot translate only xgrammar compiles
-            return flight
+        if fallback.error is None:
+            return fallback
+        if xgrammar is not None and xgrammar.is_done:
+            return xgrammar  # both failed: the default backend's error is the one reported
+        # what llguidance cannot translate, or refuses to enforce, xgrammar may still compile
+        if is_dialect or isinstance(fallback.error, UnsupportedSchemaError):
+            if xgrammar is None:
+                return await self._await("xgrammar", "llguidance could not compile it", spec)
+            await xgrammar.wait()
+            return xgrammar
         return fallback
 
     async def _parse(self, spec: GrammarSpec) -> GrammarError | None:
@@ -292,8 +344,11 @@ class GrammarStage:
             return exc
         return None
 
-    async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> CompiledConstraint:
-        """The compiled constraint of ``spec``.
+    async def compile(
+        self, spec: GrammarSpec, *, request_id: str | None = None, needed: anyio.Event | None = None
+    ) -> CompiledConstraint:
+        """The compiled constraint of ``spec``; once ``needed`` is set the caller waits for no xgrammar
+        compile that llguidance can stand in for (it goes on in the background).
 
         :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
@@ -303,6 +358,8 @@ class GrammarStage:
         if cached is not None:
             self.stats.hits += 1
             assert isinstance(cached, CompiledConstraint | PipelineError)
+            if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
+                self._replace_stand_in(spec)
             return self._unwrap(cached, request_id)
         self.stats.misses += 1
         try:
@@ -311,7 +368,7 @@ class GrammarStage:
             self.stats.errors += 1
             raise exc.bind(stage=self.name, request_id=request_id) from None
         with anyio.move_on_after(self.timeout_s) as scope:
-            flight = await self._resolve(spec)
+            flight = await self._resolve(spec, needed)
         if scope.cancelled_caught:
             self.stats.timeouts += 1
             raise DeadlineExceeded(
@@ -323,9 +380,26 @@ class GrammarStage:
         error = flight.error
         return self._unwrap(error if isinstance(error, PipelineError) else flight.get(), request_id)
 
+    def _replace_stand_in(self, spec: GrammarSpec) -> None:
+        """Start xgrammar's compile of a spec llguidance stands in for, when a slot is free and none runs."""
+        if self._tg is not None and ("xgrammar", spec.key) not in self._flights and not self._is_busy():
+            self._flight("xgrammar", "replaces the llguidance stand-in", spec, _BACKGROUND_NICE)
+
     def _unwrap(self, result: CompiledConstraint | PipelineError, request_id: str | None) -> CompiledConstraint:
         if isinstance(result, PipelineError):
             error = copy.copy(result)  # one error object per request: each carries its own request id
             error.stage, error.request_id = self.name, request_id
             raise error
         return result
+
+
+async def _first_of(*waits: Callable[[], Awaitable[None]]) -> None:
+    """Return once the first of ``waits`` returns (the others are cancelled)."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait_then_stop(wait: Callable[[], Awaitable[None]]) -> None:
+            await wait()
+            tg.cancel_scope.cancel()
+
+        for wait in waits:
+            tg.start_soon(wait_then_stop, wait)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["COMPILE_STACK_BYTES", "release_free_memory", "run_on_large_stack"]
+__all__ = ["COMPILE_STACK_BYTES", "lower_priority", "release_free_memory", "run_on_large_stack"]
 
 T = TypeVar("T")
 
@@ -32,13 +34,16 @@ COMPILE_STACK_BYTES = 64 * 1024 * 1024
 _STACK_LOCK = threading.Lock()
 
 
-def run_on_large_stack(fn: Callable[[], T], *, stack_bytes: int = COMPILE_STACK_BYTES) -> T:
-    """``fn()`` in a new thread with a ``stack_bytes`` stack; blocks until it returns or raises."""
+def run_on_large_stack(fn: Callable[[], T], *, stack_bytes: int = COMPILE_STACK_BYTES, nice: int = 0) -> T:
+    """``fn()`` in a new thread with a ``stack_bytes`` stack, ``nice`` added to its CPU niceness;
+    blocks until it returns or raises."""
     outcome: list[T] = []
     failure: list[BaseException] = []
 
     def target() -> None:
         try:
+            if nice:
+                lower_priority(nice)
             outcome.append(fn())
         except BaseException as exc:  # re-raised in the caller's thread
             failure.append(exc)
@@ -55,6 +60,14 @@ def run_on_large_stack(fn: Callable[[], T], *, stack_bytes: int = COMPILE_STACK_
     if failure:
         raise failure[0]
     return outcome[0]
+
+
+def lower_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: per thread, and inherited by the threads it
+    starts, such as xgrammar's compile pool); elsewhere a no-op."""
+    if sys.platform == "linux":
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

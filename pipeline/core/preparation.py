@@ -34,6 +34,7 @@ from pipeline.outcome import Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
+from stages.encoder_cache import EncodedImage
 from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
@@ -55,6 +56,9 @@ class PreparedRequest:
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
     mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
+    # set once the rest of preparation is short (no image to decode or encode) or done: from then on
+    # the request waits for no xgrammar compile that llguidance can stand in for
+    grammar_needed: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class Preparation:
         assert self._tg is not None, "start() first"
         self.stages[0].offer(job)
         if job.payload.request.grammar is not None:
+            if not job.payload.request.images:
+                job.payload.grammar_needed.set()  # text only: nothing will hide the compile
             self._tg.start_soon(self._compile_grammar, job)
         else:
             job.payload.grammar.set_result(None)
@@ -143,6 +149,7 @@ class Preparation:
             "decode": self.decode.limiter,
             "template": self.template.limiter,
             "grammar": self.grammar.limiter,
+            "grammar_fast": self.grammar.fast_limiter,  # llguidance compiles and grammar parses
         }
         if self.vision is not None:
             limiters["vision"] = self.vision.limiter
@@ -197,6 +204,8 @@ class Preparation:
     async def _decode_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
         await self.images.decode_step(prep.request.images, prep.images)
+        if all(isinstance(image, EncodedImage) for image in prep.images.images):
+            prep.grammar_needed.set()  # every image an encoder cache hit: nothing left to hide the compile
 
     async def _template_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
@@ -226,7 +235,7 @@ class Preparation:
         assert spec is not None
         started = time.perf_counter()
         try:
-            constraint = await self.grammar.compile(spec, request_id=job.request_id)
+            constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=prep.grammar_needed)
             prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:
             prep.grammar.fail(exc.bind(stage="grammar", request_id=job.request_id))
@@ -262,6 +271,7 @@ class Preparation:
         prep = job.payload
         try:
             await job.wait()
+            prep.grammar_needed.set()
             if job.error is None:
                 await prep.grammar.wait()
         except BaseException:

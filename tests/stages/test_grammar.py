@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -16,28 +17,9 @@ from pipeline.observability.metrics import Metrics
 from pipeline.observability.prometheus import MetricsExporter
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint, GrammarStage
-from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler, clean_message
+from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler, clean_message
 from tests.conftest import CorpusEntry
-from tests.grammars import accepts
-
-
-class GatedCompiler:
-    """A real compiler whose compiles wait for ``gate`` and are counted (the stage takes its
-    compilers as arguments: this is the seam the tests use)."""
-
-    def __init__(self, real: Any, gate: threading.Event | None = None) -> None:
-        self.real, self.gate = real, gate
-        self.name = real.name
-        self.calls: Counter[str] = Counter()
-
-    def parse(self, spec: GrammarSpec) -> None:
-        self.real.parse(spec)
-
-    def compile(self, spec: GrammarSpec) -> Compiled:
-        self.calls[spec.key] += 1
-        if self.gate is not None:
-            self.gate.wait(20)
-        return self.real.compile(spec)
+from tests.grammars import GatedCompiler, accepts
 
 
 def make_stage(compilers: tuple[Any, Any], **kwargs: Any) -> GrammarStage:
@@ -442,3 +424,156 @@ async def test_huge_schemas_do_not_hold_the_xgrammar_slots(stage: GrammarStage) 
             assert stage.limiter.borrowed_tokens == 0
     assert [r.backend for r in results] == ["llguidance"] * 2
     assert all(r.reason.startswith("large schema") for r in results)
+
+
+# -- llguidance stands in while xgrammar compiles in the background ---------------------------------
+OUTLASTS = "xgrammar compile outlasts preparation"
+
+
+def gated_stage(
+    grammar_compilers: tuple[Any, Any],
+) -> tuple[GrammarStage, GatedCompiler, GatedCompiler, threading.Event]:
+    """A stage whose xgrammar compiles wait for the returned gate, with a budget no test reaches."""
+    gate = threading.Event()
+    xgrammar, llguidance = GatedCompiler(grammar_compilers[0], gate), GatedCompiler(grammar_compilers[1])
+    return make_stage((xgrammar, llguidance), xgrammar_budget_s=30), xgrammar, llguidance, gate
+
+
+def set_event() -> anyio.Event:
+    event = anyio.Event()
+    event.set()
+    return event
+
+
+@pytest.mark.parametrize("when", ["before the compile", "while it waits"])
+async def test_a_request_that_needs_its_constraint_gets_llguidance_and_later_ones_xgrammar(
+    grammar_compilers: tuple[Any, Any], hf_tokenizer: Any, when: str
+) -> None:
+    """Text only, cached images, preparation done: the request stops waiting for xgrammar (here far
+    within its budget); xgrammar's compile goes on and serves the requests after it."""
+    stage, xgrammar, llguidance, gate = gated_stage(grammar_compilers)
+    spec = GrammarSpec("json_schema", SCHEMA)
+    needed = set_event() if when == "before the compile" else anyio.Event()
+    served: list[CompiledConstraint] = []
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+
+            async def request() -> None:
+                served.append(await stage.compile(spec, needed=needed))
+
+            tg.start_soon(request)
+            await anyio.wait_all_tasks_blocked()
+            if when == "while it waits":
+                assert not served and stage.fast_limiter.borrowed_tokens == 0  # within the budget: waits
+                needed.set()
+            while not served:
+                await anyio.wait_all_tasks_blocked()
+            await anyio.wait_all_tasks_blocked()
+            assert (served[0].backend, served[0].reason, served[0].is_stand_in) == ("llguidance", OUTLASTS, True)
+            assert stage.lookup(spec) is served[0]
+            assert stage.limiter.borrowed_tokens == 1 and stage.num_compiling == 1  # xgrammar goes on
+            gate.set()
+            await stage.wait_idle()
+    assert stage.limiter.borrowed_tokens == 0 and stage.fast_limiter.borrowed_tokens == 0 and stage.num_compiling == 0
+    later = await stage.compile(spec, needed=set_event())
+    assert later.backend == "xgrammar" and not later.is_stand_in  # its result replaced the stand-in
+    assert xgrammar.calls[spec.key] == 1 and llguidance.calls[spec.key] == 1
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert xgrammar.nice[spec.key] == min(19, base + 19) and llguidance.nice[spec.key] == base  # background: lowest
+    for constraint in (served[0], later):  # both backends constrain, and the answer check holds
+        assert accepts(constraint.grammar, '{"a": 1}', hf_tokenizer) and constraint.check.check('{"a": 1}') is None
+        assert not accepts(constraint.grammar, '{"a": "x"}', hf_tokenizer)
+        assert constraint.check.check('{"a": "x"}') is not None
+
+
+async def test_a_cancelled_request_leaves_both_compiles_to_finish_into_the_cache(
+    grammar_compilers: tuple[Any, Any],
+) -> None:
+    stage, xgrammar, _, x_gate = gated_stage(grammar_compilers)
+    l_gate = threading.Event()
+    stage.compilers["llguidance"] = llguidance = GatedCompiler(grammar_compilers[1], l_gate)
+    spec = GrammarSpec("json_schema", SCHEMA)
+    ended = anyio.Event()
+    scopes: list[anyio.CancelScope] = []
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+
+            async def request() -> None:
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    await stage.compile(spec, needed=set_event())
+                ended.set()
+
+            tg.start_soon(request)
+            await anyio.wait_all_tasks_blocked()
+            assert stage.limiter.borrowed_tokens == 1 and stage.fast_limiter.borrowed_tokens == 1
+            scopes[0].cancel()
+            await ended.wait()
+            assert scopes[0].cancelled_caught and stage.num_compiling == 2  # the jobs go on without it
+            l_gate.set()
+            x_gate.set()
+            await stage.wait_idle()
+    assert stage.limiter.borrowed_tokens == 0 and stage.fast_limiter.borrowed_tokens == 0 and stage.num_compiling == 0
+    assert xgrammar.calls[spec.key] == 1 and llguidance.calls[spec.key] == 1
+    cached = stage.lookup(spec)
+    assert isinstance(cached, CompiledConstraint) and cached.backend == "xgrammar"
+
+
+async def test_a_bad_spec_is_a_400_at_once_while_its_xgrammar_compile_runs(grammar_compilers: tuple[Any, Any]) -> None:
+    stage, xgrammar, _, gate = gated_stage(grammar_compilers)
+    spec = GrammarSpec("regex", "(ab", field="regex")
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            with pytest.raises(GrammarError) as info:
+                await stage.compile(spec, needed=set_event())
+            assert info.value.status == 400 and info.value.field == "regex"
+            assert stage.num_compiling == 1 and not gate.is_set()  # refused before xgrammar answered
+            gate.set()
+    assert xgrammar.calls[spec.key] == 1 and stage.limiter.borrowed_tokens == 0 and stage.num_compiling == 0
+
+
+async def test_a_stand_in_xgrammar_cannot_compile_stays_and_no_hit_compiles_it_again(
+    grammar_compilers: tuple[Any, Any], hf_tokenizer: Any
+) -> None:
+    stage, xgrammar, _, gate = gated_stage(grammar_compilers)
+    spec = GrammarSpec("regex", r"\p{L}+", field="regex")  # xgrammar 0.2.8 has no Unicode classes
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            served = await stage.compile(spec, needed=set_event())
+            assert served.backend == "llguidance" and served.is_stand_in
+            gate.set()
+            await stage.wait_idle()
+            for _ in range(3):
+                again = await stage.compile(spec)
+                assert again.backend == "llguidance" and not again.is_stand_in
+                await anyio.wait_all_tasks_blocked()
+                assert stage.num_compiling == 0
+    assert xgrammar.calls[spec.key] == 1 and accepts(again.grammar, "héllo", hf_tokenizer)
+
+
+async def test_a_stand_in_served_while_slots_were_busy_is_replaced_after_a_later_hit(
+    grammar_compilers: tuple[Any, Any],
+) -> None:
+    spec = GrammarSpec("json_schema", SCHEMA)
+    async with xgrammar_busy(grammar_compilers, timeout_s=5) as (stage, _, gate):
+        xgrammar = stage.compilers["xgrammar"]
+        assert isinstance(xgrammar, GatedCompiler)
+        served = await stage.compile(spec)
+        assert (served.backend, served.reason, served.is_stand_in) == (
+            "llguidance",
+            "xgrammar compile slots busy",
+            True,
+        )
+        assert await stage.compile(spec) is served and stage.num_compiling == 2  # no slot: no compile queued
+        gate.set()
+        await stage.wait_idle()
+        assert await stage.compile(spec) is served  # this hit finds a slot free and starts xgrammar
+        assert stage.num_compiling == 1
+        await stage.wait_idle()
+        later = await stage.compile(spec)
+        assert later.backend == "xgrammar" and later.reason == "replaces the llguidance stand-in"
+    assert xgrammar.calls[spec.key] == 1 and stage.limiter.borrowed_tokens == 0 and stage.num_compiling == 0

@@ -1,0 +1,133 @@
+"""A request whose preparation is short (text only, cached images) or done does not wait for an
+xgrammar compile: llguidance serves it while xgrammar compiles in the background for later requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import jsonschema
+import pytest
+
+from pipeline import PipelineConfig
+from pipeline.core.pipeline import Pipeline
+from pipeline.errors import RequestCancelled
+from pipeline.types import GrammarSpec
+from stages.grammar import CompiledConstraint
+from tests.grammars import GatedCompiler
+from tests.images import data_url, encode, image_request, make_image
+from tests.released import assert_released
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    # a budget no test reaches: only the request's need for its constraint ends its wait for xgrammar
+    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048, grammar_xgrammar_budget_s=60)
+    async with Pipeline(config) as p:
+        yield p
+
+
+@pytest.fixture
+def gate(pipe: Pipeline) -> AsyncIterator[threading.Event]:
+    """Closed: every xgrammar compile of ``pipe`` waits (at most 20 s) until the test opens it."""
+    grammar = pipe.preparation.grammar
+    real = grammar.compilers["xgrammar"]
+    gate = threading.Event()
+    grammar.compilers["xgrammar"] = GatedCompiler(real, gate)
+    yield gate
+    gate.set()
+    grammar.compilers["xgrammar"] = real
+
+
+def schema(name: str) -> dict[str, Any]:
+    """A schema new to the pipeline (the dispatch table gives it to xgrammar)."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "integer", "minimum": 0, "maximum": 999}, "kind": {"enum": ["a", "b"]}},
+        "required": [name, "kind"],
+        "additionalProperties": False,
+    }
+
+
+def guided(body: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    return {**body, "response_format": fmt, "max_tokens": 48, "temperature": 0}
+
+
+TEXT = {"messages": [{"role": "user", "content": "A number."}]}
+
+
+async def served_by(pipe: Pipeline, body: dict[str, Any], schema: dict[str, Any]) -> str | None:
+    result = await (await pipe.submit(guided(body, schema))).result()
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.text), schema)  # the answer holds, whichever backend served
+    return result.grammar_backend
+
+
+def cached(pipe: Pipeline, schema: dict[str, Any]) -> CompiledConstraint:
+    spec = GrammarSpec("json_schema", schema, strict=True, field="response_format.json_schema.schema")
+    entry = pipe.preparation.grammar.lookup(spec)
+    assert isinstance(entry, CompiledConstraint)
+    return entry
+
+
+async def test_a_text_only_request_is_served_by_llguidance_and_later_ones_by_xgrammar(
+    pipe: Pipeline, gate: threading.Event
+) -> None:
+    new = schema("text_only")
+    with anyio.fail_after(60):
+        assert await served_by(pipe, TEXT, new) == "llguidance"
+        assert cached(pipe, new).is_stand_in and pipe.preparation.grammar.num_compiling == 1
+        gate.set()
+        await pipe.preparation.grammar.wait_idle()
+        assert await served_by(pipe, TEXT, new) == "xgrammar"
+    await assert_released(pipe)
+
+
+async def test_a_cached_image_request_does_not_wait_for_xgrammar(pipe: Pipeline, gate: threading.Event) -> None:
+    image = image_request([data_url(encode(make_image(seed=21)))])
+    with anyio.fail_after(60):
+        await (await pipe.submit({**image, "max_tokens": 1})).result()  # its embeddings now cached
+        new = schema("cached_image")
+        assert await served_by(pipe, image, new) == "llguidance"
+        assert cached(pipe, new).reason == "xgrammar compile outlasts preparation"
+        gate.set()
+        await pipe.preparation.grammar.wait_idle()
+        assert await served_by(pipe, image, new) == "xgrammar"
+    await assert_released(pipe)
+
+
+async def test_a_request_cancelled_while_its_grammar_compiles_leaves_nothing_behind(
+    pipe: Pipeline, gate: threading.Event
+) -> None:
+    grammar = pipe.preparation.grammar
+    l_gate = threading.Event()
+    real_llguidance = grammar.compilers["llguidance"]
+    grammar.compilers["llguidance"] = GatedCompiler(real_llguidance, l_gate)
+    new = schema("cancelled")
+    try:
+        with anyio.fail_after(60):
+            handle = await pipe.submit(guided(TEXT, new))
+            while grammar.num_compiling < 2:  # both compiles started: xgrammar's and its stand-in's
+                await anyio.wait_all_tasks_blocked()
+            handle.cancel()
+            with pytest.raises(RequestCancelled):
+                await handle.result()
+            assert grammar.num_compiling == 2  # the compiles outlive the request that started them
+            l_gate.set()
+            gate.set()
+            await assert_released(pipe)  # every limiter token, compile, job and engine slot returned
+    finally:
+        grammar.compilers["llguidance"] = real_llguidance
+    resources = pipe.resources()
+    assert resources.grammar_compiles == 0
+    assert resources.limiter_tokens["grammar"] == 0 and resources.limiter_tokens["grammar_fast"] == 0
+    assert cached(pipe, new).backend == "xgrammar"  # the background compile filled the cache
