@@ -81,6 +81,10 @@ class EncoderCache:
     def num_flights(self) -> int:
         return len(self._flights)
 
+    def holds(self, content_hash: str) -> bool:
+        """Whether the embeddings of ``content_hash`` are cached now (a hint: nothing is claimed)."""
+        return self._key(content_hash) in self._entries
+
     async def claim(self, content_hash: str) -> EncodedImage | Flight:
         """The cached image (a hit, possibly after waiting for another request's encode), or a
         ``Flight`` the caller now owns and must fulfil or abandon (a miss)."""

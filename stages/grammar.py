@@ -297,9 +297,9 @@ class GrammarStage:
                 return failed
         if ("xgrammar", spec.key) not in self._flights and self._is_busy():
             return await self._stand_in(spec, _SLOTS_BUSY, None, is_dialect)
-        # llguidance stands in for whoever needs the constraint before this compile ends, so it
-        # holds up no request's own work: the lowest priority (its threads hold the GIL ~0.4 ms)
-        nice = 0 if is_dialect else _BACKGROUND_NICE
+        # a compile nobody waits for (llguidance stands in at once) yields the CPU to the request's
+        # own work: the lowest priority (its native threads run without the GIL)
+        nice = _BACKGROUND_NICE if needed is not None and needed.is_set() and not is_dialect else 0
         budget_s = self.xgrammar_budget_s
         flight = await self._await("xgrammar", dispatch.reason, spec, budget_s=budget_s, needed=needed, nice=nice)
         if flight.is_done and flight.error is None:

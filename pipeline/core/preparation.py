@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -34,7 +35,6 @@ from pipeline.outcome import Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
-from stages.encoder_cache import EncodedImage
 from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
@@ -56,9 +56,10 @@ class PreparedRequest:
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
     mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
-    # set once the rest of preparation is short (no image to decode or encode) or done: from then on
-    # the request waits for no xgrammar compile that llguidance can stand in for
+    # set once the rest of preparation is short (no image, or every image in the encoder cache) or
+    # done: from then on the request waits for no xgrammar compile that llguidance can stand in for
     grammar_needed: anyio.Event = field(default_factory=anyio.Event)
+    images_hashed: anyio.Event = field(default_factory=anyio.Event)  # also set when the fetch failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,13 +200,17 @@ class Preparation:
     # -- the stage steps ------------------------------------------------------------------------
     async def _fetch_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        await self.images.fetch_step(prep.request.images, prep.images, job.request_id)
+        try:
+            await self.images.fetch_step(prep.request.images, prep.images, job.request_id)
+            cache = self.encoder_cache
+            if cache is not None and all(cache.holds(h) for h in prep.images.hashes):
+                prep.grammar_needed.set()  # no image to decode or encode: nothing will hide the compile
+        finally:
+            prep.images_hashed.set()
 
     async def _decode_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
         await self.images.decode_step(prep.request.images, prep.images)
-        if all(isinstance(image, EncodedImage) for image in prep.images.images):
-            prep.grammar_needed.set()  # every image an encoder cache hit: nothing left to hide the compile
 
     async def _template_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
@@ -235,6 +240,11 @@ class Preparation:
         assert spec is not None
         started = time.perf_counter()
         try:
+            if prep.request.images:
+                # whether the images are cached decides whether anyone waits for xgrammar's compile
+                # (and so its priority): a fetch of inline data takes milliseconds, decode and encode
+                # still hide the compile
+                await _first_of(prep.images_hashed.wait, job.wait)
             constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=prep.grammar_needed)
             prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:
@@ -299,3 +309,15 @@ class Preparation:
             extra_prefill={"deepstack_visual_embeds": deepstack} if deepstack is not None else {},
         )
         return PreparedInput(inp, constraint)
+
+
+async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Return once the first of ``waits`` returns (the others are cancelled)."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait_then_stop(wait: Callable[[], Awaitable[object]]) -> None:
+            await wait()
+            tg.cancel_scope.cancel()
+
+        for wait in waits:
+            tg.start_soon(wait_then_stop, wait)

@@ -4,6 +4,7 @@ xgrammar compile: llguidance serves it while xgrammar compiles in the background
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -72,36 +73,43 @@ async def served_by(pipe: Pipeline, body: dict[str, Any], schema: dict[str, Any]
     return result.grammar_backend
 
 
+def spec_of(schema: dict[str, Any]) -> GrammarSpec:
+    return GrammarSpec("json_schema", schema, strict=True, field="response_format.json_schema.schema")
+
+
 def cached(pipe: Pipeline, schema: dict[str, Any]) -> CompiledConstraint:
-    spec = GrammarSpec("json_schema", schema, strict=True, field="response_format.json_schema.schema")
-    entry = pipe.preparation.grammar.lookup(spec)
+    entry = pipe.preparation.grammar.lookup(spec_of(schema))
     assert isinstance(entry, CompiledConstraint)
     return entry
 
 
-async def test_a_text_only_request_is_served_by_llguidance_and_later_ones_by_xgrammar(
-    pipe: Pipeline, gate: threading.Event
+def image_body(seed: int) -> dict[str, Any]:
+    return image_request([data_url(encode(make_image(seed=seed)))])
+
+
+@pytest.mark.parametrize("preparation", ["text only", "cached image", "distinct image"])
+async def test_a_new_schema_is_served_by_llguidance_until_xgrammar_compiled_it(
+    pipe: Pipeline, gate: threading.Event, preparation: str
 ) -> None:
-    new = schema("text_only")
+    """xgrammar's compile outlasts preparation (it waits for the gate): llguidance serves, and the
+    requests after it get xgrammar's grammar. A compile nobody waits for (preparation known to be
+    short before it starts) runs at the lowest CPU priority."""
+    body = TEXT if preparation == "text only" else image_body(21 if preparation == "cached image" else 22)
+    new = schema(preparation.replace(" ", "_"))
     with anyio.fail_after(60):
-        assert await served_by(pipe, TEXT, new) == "llguidance"
-        assert cached(pipe, new).is_stand_in and pipe.preparation.grammar.num_compiling == 1
+        if preparation == "cached image":
+            await (await pipe.submit({**body, "max_tokens": 1})).result()  # its embeddings now cached
+        assert await served_by(pipe, body, new) == "llguidance"
+        stand_in = cached(pipe, new)
+        assert stand_in.is_stand_in and stand_in.reason == "xgrammar compile outlasts preparation"
         gate.set()
         await pipe.preparation.grammar.wait_idle()
-        assert await served_by(pipe, TEXT, new) == "xgrammar"
-    await assert_released(pipe)
-
-
-async def test_a_cached_image_request_does_not_wait_for_xgrammar(pipe: Pipeline, gate: threading.Event) -> None:
-    image = image_request([data_url(encode(make_image(seed=21)))])
-    with anyio.fail_after(60):
-        await (await pipe.submit({**image, "max_tokens": 1})).result()  # its embeddings now cached
-        new = schema("cached_image")
-        assert await served_by(pipe, image, new) == "llguidance"
-        assert cached(pipe, new).reason == "xgrammar compile outlasts preparation"
-        gate.set()
-        await pipe.preparation.grammar.wait_idle()
-        assert await served_by(pipe, image, new) == "xgrammar"
+        later = body if preparation != "distinct image" else image_body(23)
+        assert await served_by(pipe, later, new) == "xgrammar"
+    xgrammar = pipe.preparation.grammar.compilers["xgrammar"]
+    assert isinstance(xgrammar, GatedCompiler)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert xgrammar.nice[spec_of(new).key] == (base if preparation == "distinct image" else min(19, base + 19))
     await assert_released(pipe)
 
 
