@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.errors import DeadlineExceeded, GrammarError, PipelineError, UnsupportedSchemaError
-from pipeline.outcome import Outcome
+from pipeline.outcome import Outcome, first_of
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import INTERNAL_FAILURE
 from stages.answer_check import AnswerCheck
@@ -267,7 +266,7 @@ class GrammarStage:
                 await flight.wait()
         elif not needed.is_set() and not flight.is_done:
             with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
-                await _first_of(flight.wait, needed.wait)
+                await first_of(flight.wait, needed.wait)
         return flight
 
     async def _resolve(self, spec: GrammarSpec, needed: anyio.Event | None) -> Outcome[CompiledConstraint]:
@@ -391,15 +390,3 @@ class GrammarStage:
             error.stage, error.request_id = self.name, request_id
             raise error
         return result
-
-
-async def _first_of(*waits: Callable[[], Awaitable[None]]) -> None:
-    """Return once the first of ``waits`` returns (the others are cancelled)."""
-    async with anyio.create_task_group() as tg:
-
-        async def wait_then_stop(wait: Callable[[], Awaitable[None]]) -> None:
-            await wait()
-            tg.cancel_scope.cancel()
-
-        for wait in waits:
-            tg.start_soon(wait_then_stop, wait)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -31,7 +30,7 @@ from pipeline.core.staged import Job, StageWorkers
 from pipeline.errors import PipelineError
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
-from pipeline.outcome import Outcome
+from pipeline.outcome import Outcome, first_of
 from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
@@ -244,7 +243,8 @@ class Preparation:
                 # whether the images are cached decides whether anyone waits for xgrammar's compile
                 # (and so its priority): a fetch of inline data takes milliseconds, decode and encode
                 # still hide the compile
-                await _first_of(prep.images_hashed.wait, job.wait)
+                await first_of(prep.images_hashed.wait, job.wait)
+                started = time.perf_counter()
             constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=prep.grammar_needed)
             prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:
@@ -309,15 +309,3 @@ class Preparation:
             extra_prefill={"deepstack_visual_embeds": deepstack} if deepstack is not None else {},
         )
         return PreparedInput(inp, constraint)
-
-
-async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Return once the first of ``waits`` returns (the others are cancelled)."""
-    async with anyio.create_task_group() as tg:
-
-        async def wait_then_stop(wait: Callable[[], Awaitable[object]]) -> None:
-            await wait()
-            tg.cancel_scope.cancel()
-
-        for wait in waits:
-            tg.start_soon(wait_then_stop, wait)
