@@ -294,6 +294,12 @@ class GrammarStage:
                 failed: Outcome[CompiledConstraint] = Outcome()
                 failed.fail(refusal)
                 return failed
+        if spec.field == "tools":
+            # a tool call's grammar never gets a stand-in: llguidance reads a tag ending in a special
+            # token (Hermes' </tool_call>) as text where xgrammar reads the token, and its matcher then
+            # refused the token its mask allowed (a 500); and two backends lay out one greedy call
+            # differently, so the same request would get another call once xgrammar's compile landed
+            return await self._await("xgrammar", dispatch.reason, spec)
         if ("xgrammar", spec.key) not in self._flights and self._is_busy():
             return await self._stand_in(spec, _SLOTS_BUSY, None, is_dialect)
         # a compile nobody waits for (llguidance stands in at once) yields the CPU to the request's
