@@ -149,6 +149,9 @@ class PipelineConfig:
     # Reuse the KV blocks of earlier prompts with the same prefix (sampling/prefix_cache.py); images
     # are keyed by content. False: every prompt is prefilled in full (n > 1 still shares its prompt).
     prefix_caching: bool = True
+    # Keep every engine step's timing (kind, tokens, start, duration) for the benchmarks' step
+    # timelines (``step_timeline()`` of either engine mode). Off when serving: the list only grows.
+    record_step_timeline: bool = False
 
     def __post_init__(self) -> None:
         positive = {

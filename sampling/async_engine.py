@@ -23,6 +23,7 @@ import anyio
 from pipeline.outcome import Mailbox
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
+from sampling.timeline import StepTiming
 
 __all__ = [
     "Add",
@@ -180,6 +181,11 @@ class AsyncEngine:
         reached = anyio.Event()
         await anyio.to_thread.run_sync(self._commands.put, Barrier(reached))
         await reached.wait()
+
+    async def step_timeline(self, since: float = 0.0) -> list[StepTiming]:
+        """The engine's steps that began at ``since`` (``time.perf_counter()``) or later, with
+        ``record_timeline`` (a snapshot: the engine thread appends meanwhile)."""
+        return [t for t in list(self.engine.timeline) if t.start >= since]
 
     @property
     def num_running(self) -> int:

@@ -80,7 +80,8 @@ class StepParts:
     def run(self, step: PrefillStep | DecodeStep) -> list[SeqOutput]:
         """Launch, sample and commit one step; a step that raises fails its sequences alone."""
         timing = StepTiming("prefill" if isinstance(step, PrefillStep) else "decode", 0)
-        started = time.perf_counter()
+        timing.tokens = step.end - step.start if isinstance(step, PrefillStep) else len(step.seqs)
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             seqs, logits, filled = self.launch(step, timing)
             outputs: list[SeqOutput] = []
@@ -96,6 +97,7 @@ class StepParts:
             return self.fail_step([step.seq] if isinstance(step, PrefillStep) else step.seqs, exc)
         ended = time.perf_counter()
         timing.total = ended - started
+        timing.cpu = time.thread_time() - cpu_started
         self.record(timing, started, ended)
         return outputs
 
@@ -279,6 +281,7 @@ class StepParts:
     def record(self, timing: StepTiming, started: float, ended: float) -> None:
         """Keep the step's timing (``record_timeline``) and trace it as a span from ``started`` to ``ended``."""
         if self.record_timeline:
+            timing.start = started
             self.timeline.append(timing)
         if self.tracer is not None:
             self.tracer.span(

@@ -18,7 +18,10 @@ class StepTiming:
     """
 
     kind: str
-    batch: int
+    batch: int  # the sequences that sample this step (0: a prefill chunk that is not the last)
+    tokens: int = 0  # the tokens the forward computes: a prefill chunk's length, a decode's batch
+    start: float = 0.0  # time.perf_counter() when the step began (the same clock in every process)
+    cpu: float = 0.0  # the stepping thread's CPU seconds in the step (synchronous loop): total - cpu is waiting
     forward: float = 0.0
     fill: float = 0.0  # on the fill thread, concurrent with forward
     wait: float = 0.0  # waiting for the fill after the forward (one step ahead: for the step's tokens)

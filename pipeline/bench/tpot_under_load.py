@@ -8,6 +8,10 @@ ratios compare like with like. On this machine everything shares two cores.
 Two bursts per mode: every request with an image of its own (``distinct``: each is decoded,
 processed and encoded) and every request with one image (``repeated``: encoder-cache hits after the
 first, so what remains is the serving process's own work per request).
+
+``--timeline``: the engine records every step, and a second table splits the decodes' time per token,
+idle and during the burst, into decode steps, prefill steps and time outside steps
+(pipeline/bench/step_timeline.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pipeline.bench.common import (
     tracer_for,
     write_outputs,
 )
+from pipeline.bench.step_timeline import TIMELINE_HEADERS, WindowSteps, summarise, timeline_row
 from pipeline.config import PipelineConfig
 from pipeline.core.pipeline import Pipeline
 
@@ -49,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="process,thread", help="preparation modes, comma-separated")
     parser.add_argument("--engine-modes", default="process,thread", help="engine modes, comma-separated")
     parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
+    parser.add_argument("--timeline", action="store_true", help="record engine steps; print what the decodes wait for")
     parser.add_argument("--out", default=None)
 
 
@@ -116,19 +122,28 @@ async def warm_up(pipe: Pipeline, data_url: str) -> None:
             tg.start_soon(pipe.prepare, _image_body(data_url))
 
 
+async def _steps(pipe: Pipeline, start: float, end: float) -> WindowSteps:
+    """The engine steps that began between ``start`` and ``end``."""
+    steps = await pipe.engine.step_timeline(start)
+    return WindowSteps(start, end, [s for s in steps if s.start <= end])
+
+
 async def _measure(
     mode: str, engine_mode: str, args: argparse.Namespace, bursts: dict[str, list[list[str]]], warm_url: str
-) -> dict[str, dict[str, list[float]]]:
-    """Per image kind: idle and loaded TPOT medians and gaps, and the burst's requests/s."""
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[WindowSteps]]]]:
+    """Per image kind: idle and loaded TPOT medians and gaps, and the burst's requests/s; and with
+    ``--timeline`` the engine's steps in each idle run and each burst."""
     out: dict[str, dict[str, list[float]]] = {
         kind: {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": []} for kind in bursts
     }
+    timelines: dict[str, dict[str, list[WindowSteps]]] = {kind: {"idle": [], "burst": []} for kind in bursts}
     config = PipelineConfig(
         model=args.model,
         max_pending_requests=1024,
         stage_queue_size=1024,
         preparation_mode=mode,
         engine_mode=engine_mode,
+        record_step_timeline=args.timeline,
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
@@ -137,13 +152,17 @@ async def _measure(
             for kind, runs in bursts.items():
                 res = out[kind]
                 idle = await _decode_gaps(pipe, args.decodes, args.tokens, [])
+                if args.timeline and idle:
+                    timelines[kind]["idle"].append(await _steps(pipe, idle[0][0], idle[-1][0]))
                 loaded, window = await _loaded_run(pipe, args, runs[r])
+                if args.timeline and loaded:  # the burst while the decodes ran
+                    timelines[kind]["burst"].append(await _steps(pipe, window[0], loaded[-1][0]))
                 res["idle"].append(median([g for _, g in idle]))
                 res["load"].append(median([g for _, g in loaded]) if loaded else float("nan"))
                 res["idle_gaps"] += [g for _, g in idle]
                 res["load_gaps"] += [g for _, g in loaded]
                 res["burst_rps"].append(args.burst / (window[1] - window[0]))
-    return out
+    return out, timelines
 
 
 def _bursts(args: argparse.Namespace, kinds: list[str]) -> tuple[dict[str, list[list[str]]], str]:
@@ -167,17 +186,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_modes = [m.strip() for m in args.engine_modes.split(",") if m.strip()]
     load_before = load_average()
     # keys "process/engine thread": preparation mode / engine mode
-    results = {
+    measured = {
         f"{mode}/engine {engine}": anyio.run(_measure, mode, engine, args, bursts, warm_url)
         for engine in engine_modes
         for mode in modes
     }
+    results = {key: m[0] for key, m in measured.items()}
     print(
         f"\ntpot-under-load: {args.decodes} decodes of {args.tokens} tokens, burst of {args.burst} image "
         f"requests (distinct: an image each; repeated: one image),"
         f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()}"
     )
-    rows, per_mode = [], {}
+    rows: list[list[Any]] = []
+    per_mode: dict[str, dict[str, Any]] = {}
     for mode, kind in ((m, k) for m in results for k in kinds):
         res = results[mode][kind]
         prep, engine = mode.split("/")
@@ -223,6 +244,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows,
     )
     print("(targets, both image kinds: p50 ratio <= 1.10, p99 ratio <= 1.5)")
+    if args.timeline:
+        timeline_rows = []
+        for mode, kind in ((m, k) for m in measured for k in kinds):
+            prep, engine = mode.split("/")
+            for phase in ("idle", "burst"):
+                steps = summarise(measured[mode][1][kind][phase])
+                per_mode[f"{mode}/{kind}"][f"steps_{phase}"] = steps
+                timeline_rows.append(timeline_row(prep, engine, kind, phase, steps))
+        print("\nengine steps while the decodes ran (idle runs; bursts), all repeats together:")
+        print_table(TIMELINE_HEADERS, timeline_rows)
     default = f"{PipelineConfig().preparation_mode}/engine {PipelineConfig().engine_mode}"
     main_key = f"{default}/{kinds[0]}" if default in results else f"{next(iter(results))}/{kinds[0]}"
     figures = {

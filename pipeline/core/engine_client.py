@@ -25,10 +25,11 @@ from anyio.abc import TaskGroup
 
 from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
-from pipeline.core.engine_wire import Alive, BarrierReached, Step, encode_input
+from pipeline.core.engine_wire import Alive, BarrierReached, Step, StepTimeline, encode_input
 from pipeline.errors import EngineFailed
 from sampling.async_engine import Add, EngineQueueFull, OutputStream
 from sampling.inputs import EngineInput, SeqOutput
+from sampling.timeline import StepTiming
 
 __all__ = ["ProcessEngine"]
 
@@ -62,6 +63,7 @@ class ProcessEngine:
         self._link: EngineLink | None = None
         self._streams: dict[str, OutputStream] = {}
         self._barriers: dict[int, anyio.Event] = {}
+        self._timelines: dict[int, list[StepTiming]] = {}  # answers to step_timeline(), by barrier token
         self._num_barriers = 0
         self._num_sent = 0
         self._num_acked = 0
@@ -164,6 +166,20 @@ class ProcessEngine:
         self._num_sent += 1
         await reached.wait()
 
+    async def step_timeline(self, since: float = 0.0) -> list[StepTiming]:
+        """The engine's steps that began at ``since`` (``time.perf_counter()``) or later, with
+        ``record_step_timeline`` (empty without it, or while no engine process runs)."""
+        link = self._link
+        if link is None or not link.is_open or self.status != "ok":
+            return []
+        self._num_barriers += 1
+        token = self._num_barriers
+        reached = self._barriers[token] = anyio.Event()
+        link.write(("timeline", token, since))
+        self._num_sent += 1
+        await reached.wait()
+        return self._timelines.pop(token, [])
+
     @property
     def num_running(self) -> int:
         return len(self._streams)
@@ -196,6 +212,11 @@ class ProcessEngine:
             self._figures(message)
             reached = self._barriers.pop(message.token, None)
             if reached is not None:
+                reached.set()
+        elif isinstance(message, StepTimeline):
+            reached = self._barriers.pop(message.token, None)
+            if reached is not None:
+                self._timelines[message.token] = message.steps
                 reached.set()
         elif isinstance(message, Alive):
             self._num_acked = message.acked

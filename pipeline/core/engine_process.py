@@ -10,6 +10,7 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("add", AddCommand) ─────────────────▶   compile its grammar if new (threads), then add
     ("abort", request id) ───────────────▶   freed before the next step
     ("barrier", token) ──────────────────▶ ◀── BarrierReached(token, figures)
+    ("timeline", token, since) ──────────▶ ◀── StepTimeline(token, steps)   (record_step_timeline)
                                         ◀──  Step(outputs of all sequences, figures) once per step
                                         ◀──  Alive, after a second without a message
     ("stop",) ───────────────────────────▶   exits
@@ -46,6 +47,7 @@ from pipeline.core.engine_wire import (
     FrameReader,
     Ready,
     Step,
+    StepTimeline,
     decode_input,
     frame,
 )
@@ -158,6 +160,9 @@ class EngineServer:
                 self.engine.abort(request_id)  # a no-op for a request that finished
         elif kind == "barrier":
             self.send(BarrierReached(command[1], self._num_read, *self._figures()))
+        elif kind == "timeline":
+            since = command[2]
+            self.send(StepTimeline(command[1], [t for t in self.engine.timeline if t.start >= since]))
         elif kind == "stop":
             return False
         return True

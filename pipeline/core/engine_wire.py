@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from sampling.inputs import EngineInput, SeqOutput
+from sampling.timeline import StepTiming
 
 __all__ = [
     "AddCommand",
@@ -33,6 +34,7 @@ __all__ = [
     "FrameReader",
     "Ready",
     "Step",
+    "StepTimeline",
     "decode_input",
     "encode_command",
     "encode_input",
@@ -97,13 +99,20 @@ class BarrierReached(msgspec.Struct, tag="barrier"):
     prefix: dict[str, int] | None
 
 
+class StepTimeline(msgspec.Struct, tag="timeline"):
+    """The answer to ``("timeline", token, since)``: the steps recorded that began at ``since`` or later."""
+
+    token: int
+    steps: list[StepTiming]
+
+
 class Alive(msgspec.Struct, tag="alive"):
     """Sent when nothing else was for a while: the engine is working (a compile, a long prefill)."""
 
     acked: int
 
 
-FromEngine = Ready | Fatal | Step | BarrierReached | Alive
+FromEngine = Ready | Fatal | Step | BarrierReached | StepTimeline | Alive
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(FromEngine)
 
@@ -146,5 +155,6 @@ def decode_input(add: AddCommand) -> EngineInput:
 
 
 def encode_command(command: tuple[Any, ...]) -> bytes:
-    """One command as a frame: ``("add", AddCommand)``, ``("abort", id)``, ``("barrier", token)``, ``("stop",)``."""
+    """One command as a frame: ``("add", AddCommand)``, ``("abort", id)``, ``("barrier", token)``,
+    ``("timeline", token, since)``, ``("stop",)``."""
     return frame(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
