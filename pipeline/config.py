@@ -126,6 +126,10 @@ class PipelineConfig:
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: enough for max_running_seqs sequences of max_model_len / 4
     prefill_chunk_tokens: int = 2048
+    # A prefill chunk's tokens while other sequences decode (their next token waits for the chunk);
+    # prefill_chunk_tokens when nothing decodes. An image span that must not be split (Gemma 3) and
+    # is longer goes whole in a chunk of its own.
+    prefill_chunk_tokens_with_decodes: int = 2048
     default_max_tokens: int = 256
     engine_queue_size: int = 64
     # "thread": the engine's step loop on a thread of the serving process (sampling/async_engine.py);
@@ -180,6 +184,7 @@ class PipelineConfig:
             "max_model_len": self.max_model_len,
             "kv_block_size": self.kv_block_size,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "prefill_chunk_tokens_with_decodes": self.prefill_chunk_tokens_with_decodes,
             "default_max_tokens": self.default_max_tokens,
             "engine_queue_size": self.engine_queue_size,
         }

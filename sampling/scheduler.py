@@ -2,8 +2,11 @@
 
 A step is either one prefill chunk of one sequence or one decode token for every running sequence.
 Prefill and decode steps alternate while both have work, so a long prompt never stalls running
-decodes for more than one chunk at a time. When KV blocks run out, the newest running sequence is
-preempted: its blocks are freed and it is recomputed later from its prompt plus what it had generated.
+decodes for more than one chunk at a time; while sequences decode, a chunk takes at most
+``chunk_tokens_with_decodes`` (a shorter chunk, a shorter stall, as vLLM's chunked prefill bounds
+its prefill tokens per step), and ``chunk_tokens`` when nothing decodes. When KV blocks run out, the
+newest running sequence is preempted: its blocks are freed and it is recomputed later from its
+prompt plus what it had generated.
 
 With the prefix cache on, a sequence admitted takes the longest run of cached blocks its tokens
 hash to (sampling/prefix_cache.py) and starts its prefill after them; its full blocks are registered
@@ -69,6 +72,7 @@ class Scheduler:
         block_size: int,
         max_running: int,
         chunk_tokens: int,
+        chunk_tokens_with_decodes: int | None = None,
         prefix_caching: bool = False,
         image_token_id: int | None = None,
         atomic_image_spans: bool = False,
@@ -81,6 +85,8 @@ class Scheduler:
         self.block_size = block_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
+        # a prefill chunk's budget while sequences decode; None: chunk_tokens
+        self.chunk_tokens_with_decodes = min(chunk_tokens_with_decodes or chunk_tokens, chunk_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._unfit: list[Sequence] = []  # found by this schedule() call; handed back with its result
@@ -211,7 +217,7 @@ class Scheduler:
             seq = prefilling or self._admit()
             if seq is not None:
                 start = seq.num_computed
-                end = self._chunk_end(seq, start)
+                end = self._chunk_end(seq, start, self.chunk_tokens_with_decodes if decoding else self.chunk_tokens)
                 if self._reserve(seq, end):
                     self._grow(seq, end)
                     self._last_was_prefill = True
@@ -222,10 +228,10 @@ class Scheduler:
             return None
         return self._schedule_decode(decoding)
 
-    def _chunk_end(self, seq: Sequence, start: int) -> int:
-        """Where the prefill chunk starting at ``start`` ends: ``chunk_tokens`` later at most, and
+    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
+        """Where the prefill chunk starting at ``start`` ends: ``budget`` tokens later at most, and
         with ``atomic_image_spans`` never inside an image span (sampling/image_spans.py)."""
-        end = min(seq.num_tokens, start + self.chunk_tokens)
+        end = min(seq.num_tokens, start + budget)
         image = self.atomic_image_token
         return end if image is None else chunk_end(seq.prompt_ids, image, start, end)
 
