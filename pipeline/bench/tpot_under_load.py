@@ -7,7 +7,8 @@ ratios compare like with like. On this machine everything shares two cores.
 
 Two bursts per mode: every request with an image of its own (``distinct``: each is decoded,
 processed and encoded) and every request with one image (``repeated``: encoder-cache hits after the
-first, so what remains is the serving process's own work per request).
+first, so what remains is the serving process's own work per request). The burst's requests are
+only prepared; ``--burst-tokens N`` serves each to N tokens, so their prefills share the engine's steps.
 
 ``--timeline``: the engine records every step, and a second table splits the decodes' time per token,
 idle and during the burst, into decode steps, prefill steps and time outside steps
@@ -54,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="process,thread", help="preparation modes, comma-separated")
     parser.add_argument("--engine-modes", default="process,thread", help="engine modes, comma-separated")
     parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
+    parser.add_argument(
+        "--burst-tokens", type=int, default=0, help="serve each burst request to this many tokens (0: prepare only)"
+    )
+    parser.add_argument(
+        "--chunk-with-decodes",
+        type=int,
+        default=PipelineConfig().prefill_chunk_tokens_with_decodes,
+        help="prefill_chunk_tokens_with_decodes: a prefill chunk's tokens while sequences decode",
+    )
     parser.add_argument("--timeline", action="store_true", help="record engine steps; print what the decodes wait for")
     parser.add_argument("--out", default=None)
 
@@ -88,12 +98,22 @@ def _image_body(data_url: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}]}
 
 
-async def _burst(pipe: Pipeline, data_urls: list[str], window: list[float], ready: anyio.Event) -> None:
+async def _served(pipe: Pipeline, body: dict[str, Any]) -> None:
+    await (await pipe.submit(body)).result()
+
+
+async def _burst(
+    pipe: Pipeline, data_urls: list[str], window: list[float], ready: anyio.Event, max_tokens: int = 0
+) -> None:
+    """Prepare every image request (``max_tokens`` > 0: serve it too, so its prefill joins the engine's steps)."""
     await ready.wait()
     window.append(time.perf_counter())
     async with anyio.create_task_group() as tg:
         for data_url in data_urls:
-            tg.start_soon(pipe.prepare, _image_body(data_url))
+            if max_tokens:
+                tg.start_soon(_served, pipe, _image_body(data_url) | {"max_tokens": max_tokens, "ignore_eos": True})
+            else:
+                tg.start_soon(pipe.prepare, _image_body(data_url))
     window.append(time.perf_counter())
 
 
@@ -111,7 +131,7 @@ async def _loaded_run(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(decodes)
-        tg.start_soon(_burst, pipe, data_urls, window, decoding)
+        tg.start_soon(_burst, pipe, data_urls, window, decoding, args.burst_tokens)
     return loaded, window
 
 
@@ -144,6 +164,7 @@ async def _measure(
         preparation_mode=mode,
         engine_mode=engine_mode,
         record_step_timeline=args.timeline,
+        prefill_chunk_tokens_with_decodes=args.chunk_with_decodes,
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
