@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.bench.common import median
+from pipeline.bench.common import median, percentile
 from sampling.timeline import StepTiming
 
 __all__ = ["WindowSteps", "summarise", "timeline_row", "TIMELINE_HEADERS"]
@@ -43,11 +43,13 @@ def summarise(windows: list[WindowSteps]) -> dict[str, float]:
         "wall_s": round(wall, 3),
         "decode_steps": len(decodes),
         "decode_interval_ms": round(median(intervals) * 1e3, 3) if intervals else nan,
+        "decode_interval_p99_ms": round(percentile(intervals, 99) * 1e3, 3) if intervals else nan,
         "decode_step_ms": round(median([s.total for s in decodes]) * 1e3, 3) if decodes else nan,
         "decode_step_cpu_ms": round(median([s.cpu for s in decodes]) * 1e3, 3) if decodes else nan,
         "decode_batch": median([float(s.batch) for s in decodes]) if decodes else nan,
         "prefill_steps": len(prefills),
         "prefill_tokens": sum(s.tokens for s in prefills),
+        "prefill_step_max_ms": round(max(s.total for s in prefills) * 1e3, 3) if prefills else nan,
         "prefills_per_decode": round(len(prefills) / len(decodes), 3) if decodes else nan,
         "decode_share": round(sum(s.total for s in decodes) / wall, 3) if wall else nan,
         "prefill_share": round(sum(s.total for s in prefills) / wall, 3) if wall else nan,
@@ -62,10 +64,12 @@ TIMELINE_HEADERS = [
     "phase",
     "decode steps",
     "decode interval p50 ms",
+    "p99 ms",
     "decode step p50 ms",
     "decode cpu p50 ms",
     "prefill steps",
     "prefill tokens",
+    "prefill max ms",
     "prefill/decode",
     "wall in decode",
     "wall in prefill",
@@ -78,10 +82,12 @@ def timeline_row(prep: str, engine: str, kind: str, phase: str, figures: dict[st
     keys = (
         "decode_steps",
         "decode_interval_ms",
+        "decode_interval_p99_ms",
         "decode_step_ms",
         "decode_step_cpu_ms",
         "prefill_steps",
         "prefill_tokens",
+        "prefill_step_max_ms",
         "prefills_per_decode",
         "decode_share",
         "prefill_share",
