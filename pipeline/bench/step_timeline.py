@@ -37,7 +37,7 @@ def summarise(windows: list[WindowSteps]) -> dict[str, float]:
     decodes = [s for w in windows for s in w.steps if s.kind == "decode"]
     prefills = [s for w in windows for s in w.steps if s.kind == "prefill"]
     intervals = [g for w in windows for g in _intervals([s.start for s in w.steps if s.kind == "decode"])]
-    in_steps = sum(s.total for w in windows for s in w.steps)
+    in_steps = sum(min(s.total, w.end - s.start) for w in windows for s in w.steps)  # a step may outlast its window
     nan = float("nan")
     return {
         "wall_s": round(wall, 3),
