@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy
 import torch
 
 __all__ = ["Slab"]
@@ -59,6 +60,32 @@ class Slab:
         for dim in shape:
             count *= dim
         return torch.frombuffer(self._map, dtype=dtype, count=count).clone().view(shape)
+
+    def write_tensor_at(self, offset: int, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into the slab at byte ``offset`` (its one copy on the writing side)."""
+        # a byte copy in this thread: torch's copy_ would split it over its intra-op threads, whose
+        # hand-offs cost milliseconds of spinning on a loaded machine (the event loop's time)
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if offset < 0 or offset + raw.size > self.size:
+            raise ValueError(f"{raw.size} bytes at {offset} do not fit a slab of {self.size}")
+        numpy.frombuffer(self._map, numpy.uint8, raw.size, offset)[:] = raw
+
+    def tensor_at(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor at byte ``offset``, a view of the slab (no copy: valid while its region is)."""
+        count = 1
+        for dim in shape:
+            count *= dim
+        if not count:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset).view(shape)
+
+    def copy_out(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A copy of the tensor at byte ``offset`` (a byte copy in this thread, as ``write_tensor_at``)."""
+        out = torch.empty(shape, dtype=dtype)
+        raw = out.view(-1).view(torch.uint8).numpy()
+        if raw.size:
+            raw[:] = numpy.frombuffer(self._map, numpy.uint8, raw.size, offset)
+        return out
 
     def close(self) -> None:
         self._map.close()

@@ -11,6 +11,10 @@ for ``step_timeout_s`` while it holds requests (it is then killed), fails the re
 ``EngineFailed`` (503, retryable); requests submitted while a new one starts get the same; a new
 process (the model loaded again) is started in the background and serves what comes after.
 ``status`` says which (``/health`` reports it).
+
+An add's tensors cross in the engine process's arena (``pipeline.core.engine_arena``): a region is
+taken at ``submit`` and freed when the engine acknowledges having read the add (it copies the tensors
+out then); a fault frees them all, and the new process gets a new arena.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from pipeline.core.engine_arena import EngineArena
 from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.core.engine_wire import Alive, BarrierReached, Step, StepTimeline, encode_input
@@ -36,6 +41,9 @@ __all__ = ["ProcessEngine"]
 logger = logging.getLogger(__name__)
 
 _RESTART_PAUSE_S = 1.0  # between attempts when a new engine process fails to start
+# an add's region lives until the engine has read it (milliseconds): room for a burst of adds of
+# ~10 MB of embeddings each; pages are only allocated where written. Adds that do not fit cross inline.
+ARENA_BYTES = 256 << 20
 
 
 class ProcessEngine:
@@ -50,8 +58,10 @@ class ProcessEngine:
         start_timeout_s: float,
         retry_after_s: float,
         token_table: Callable[[], list[bytes]],
+        arena_bytes: int = ARENA_BYTES,
     ) -> None:
         self.spec = spec
+        self.arena_bytes = arena_bytes  # 0: no arena, every add's tensors inline
         self.queue_size = queue_size
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -67,6 +77,9 @@ class ProcessEngine:
         self._num_barriers = 0
         self._num_sent = 0
         self._num_acked = 0
+        self._arena: EngineArena | None = None
+        # adds with tensors: through the arena, and inline (they did not fit it, or it is off)
+        self.num_arena_adds = self.num_inline_adds = 0
         self._progress_at = time.monotonic()
         self._hung = False
         self._closing = False
@@ -111,16 +124,33 @@ class ProcessEngine:
         link, self._link = self._link, None
         if link is not None:
             await link.close(kill=not was_serving)  # one still loading its model would read the stop late
+            self._drop_arena(link)
         self._release_barriers()
 
     async def _launch(self) -> None:
+        arena = EngineArena.create(self.arena_bytes) if self.arena_bytes else None
         link = EngineLink(
-            self.spec, on_message=lambda m: self._on_message(link, m), on_lost=lambda: self._on_lost(link)
+            self.spec,
+            on_message=lambda m: self._on_message(link, m),
+            on_lost=lambda: self._on_lost(link),
+            arena=arena,
         )
-        self._link = link
+        self._link, self._arena = link, arena
         self._num_sent = self._num_acked = 0
-        await link.open(self.start_timeout_s, self.retry_after_s)
+        try:
+            await link.open(self.start_timeout_s, self.retry_after_s)
+        except BaseException:
+            self._drop_arena(link)
+            raise
         logger.info("engine process %s ready", link.pid)
+
+    def _drop_arena(self, link: EngineLink) -> None:
+        """Close ``link``'s arena (its process is gone: the memory is freed when both ends are closed)."""
+        if link.arena is not None:
+            if link.arena is self._arena:
+                self._arena = None
+            link.arena.close()
+            link.arena = None
 
     # -- the pipeline's calls ---------------------------------------------------------------------
     def submit(self, inp: EngineInput) -> OutputStream:
@@ -136,7 +166,13 @@ class ProcessEngine:
             )
         if self._num_sent - self._num_acked >= self.queue_size:
             raise EngineQueueFull("the decode engine's queue is full")
-        command = ("add", encode_input(inp))
+        add = encode_input(inp, self._arena)
+        if add.shared is not None and self._arena is not None:
+            self._arena.hold_until(self._num_sent + 1)  # freed once the engine has read this add
+            self.num_arena_adds += 1
+        elif inp.image_embeds is not None:
+            self.num_inline_adds += 1
+        command = ("add", add)
         if not self._streams:
             self._progress_at = time.monotonic()  # the hang deadline counts from the first work
         link.write(command)
@@ -190,6 +226,7 @@ class ProcessEngine:
             "engine_requests": self._held.get("engine_requests", 0),
             "engine_streams": len(self._streams),
             "kv_blocks_used": self._held.get("kv_blocks_used", 0),
+            "arena_regions": self._arena.num_regions if self._arena is not None else 0,
         }
 
     def stats(self) -> dict[str, int]:
@@ -219,10 +256,16 @@ class ProcessEngine:
                 self._timelines[message.token] = message.steps
                 reached.set()
         elif isinstance(message, Alive):
-            self._num_acked = message.acked
+            self._acked(message.acked)
+
+    def _acked(self, acked: int) -> None:
+        """The engine has read ``acked`` commands: the adds among them have their tensors copied out."""
+        self._num_acked = acked
+        if self._arena is not None:
+            self._arena.acked(acked)
 
     def _figures(self, message: Step | BarrierReached) -> None:
-        self._num_acked = message.acked
+        self._acked(message.acked)
         self._stats, self._held, self._prefix = message.stats, message.held, message.prefix
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
@@ -253,6 +296,8 @@ class ProcessEngine:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.fail(error)
+        if self._arena is not None:  # nobody reads the regions any more; _restart closes the arena
+            self._arena.reset()
         self._held, self._stats, self._hung = {}, {}, False
         if self._tg is not None:
             self._tg.start_soon(self._restart, link)
@@ -265,6 +310,7 @@ class ProcessEngine:
     # -- in the background ----------------------------------------------------------------------
     async def _restart(self, failed: EngineLink) -> None:
         await failed.close(kill=True)
+        self._drop_arena(failed)
         while not self._closing:
             try:
                 await self._launch()
@@ -280,6 +326,7 @@ class ProcessEngine:
                 return
             if link is not None:  # it died between its Ready and here: reap it and start another
                 await link.close(kill=True)
+                self._drop_arena(link)
 
     async def _watch(self) -> None:
         """Kill an engine process that holds requests and has sent nothing for ``step_timeout_s``."""

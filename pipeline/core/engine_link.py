@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from pipeline.core.engine_arena import EngineArena
 from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.core.engine_wire import DECODER, Fatal, FrameReader, Ready, encode_command, frame
 from pipeline.errors import EngineFailed
@@ -32,10 +33,10 @@ _BOOTSTRAP = (
 _STOP_WAIT_S = 10.0
 
 
-def _spawn(fd: int) -> subprocess.Popen[bytes]:
-    """Start an engine process whose end of the socket pair is descriptor ``fd``."""
+def _spawn(fd: int, inherited: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """Start an engine process whose end of the socket pair is descriptor ``fd``; it also inherits ``inherited``."""
     command = [sys.executable, "-c", _BOOTSTRAP, str(fd), *sys.path]
-    return subprocess.Popen(command, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+    return subprocess.Popen(command, pass_fds=(fd, *inherited), stdin=subprocess.DEVNULL)
 
 
 class _Protocol(asyncio.Protocol):
@@ -57,10 +58,18 @@ class _Protocol(asyncio.Protocol):
 
 class EngineLink:
     """One engine process; ``on_message`` gets its messages after ``Ready``, ``on_lost`` is called once
-    if the socket closes after that (the process died or was killed)."""
+    if the socket closes after that (the process died or was killed). The process inherits ``arena``'s
+    descriptor (its shared memory for adds' tensors: ``pipeline.core.engine_arena``)."""
 
-    def __init__(self, spec: EngineProcessSpec, on_message: Callable[[Any], None], on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        spec: EngineProcessSpec,
+        on_message: Callable[[Any], None],
+        on_lost: Callable[[], None],
+        arena: EngineArena | None = None,
+    ) -> None:
         self.spec = spec
+        self.arena = arena
         self._on_message = on_message
         self._on_lost = on_lost
         self._process: subprocess.Popen[bytes] | None = None
@@ -82,14 +91,16 @@ class EngineLink:
         # that started the process, and the loop's thread lives as long as the pipeline
         parent, child = socket.socketpair()
         try:
-            self._process = _spawn(child.fileno())  # ~10 ms on the loop, at start and after a failure
+            inherited = (self.arena.slab.fd,) if self.arena is not None else ()
+            self._process = _spawn(child.fileno(), inherited)  # ~10 ms on the loop, at start and after a failure
         except BaseException:
             parent.close()
             raise
         finally:
             child.close()
         await asyncio.get_running_loop().create_unix_connection(lambda: _Protocol(self), sock=parent)
-        self.write_frame(frame(pickle.dumps((os.getpid(), self.spec), protocol=pickle.HIGHEST_PROTOCOL)))
+        arena_fd = self.arena.slab.fd if self.arena is not None else None  # the same number in the child
+        self.write_frame(frame(pickle.dumps((os.getpid(), self.spec, arena_fd), protocol=pickle.HIGHEST_PROTOCOL)))
         with anyio.move_on_after(start_timeout_s) as waited:
             await self._ready.wait()
         if waited.cancelled_caught:

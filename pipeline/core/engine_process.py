@@ -5,9 +5,11 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
 ``pipeline.core.engine_wire``. Over one Unix socket pair:
 
     serving process                          engine process
-    (parent pid, EngineProcessSpec) ─────▶   parent-death signal, load the model
+    (parent pid, EngineProcessSpec,          parent-death signal, attach the arena
+     the engine arena's descriptor) ─────▶   (inherited), load the model
                                         ◀──  Ready(pid)   (or Fatal(message), then exit)
-    ("add", AddCommand) ─────────────────▶   compile its grammar if new (threads), then add
+    ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, compile its grammar
+                                             if new (threads), then add
     ("abort", request id) ───────────────▶   freed before the next step
     ("barrier", token) ──────────────────▶ ◀── BarrierReached(token, figures)
     ("timeline", token, since) ──────────▶ ◀── StepTimeline(token, steps)   (record_step_timeline)
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from pipeline.config import PipelineConfig
+from pipeline.core.engine_arena import EngineArena
 from pipeline.core.engine_grammars import EngineGrammars
 from pipeline.core.engine_wire import (
     ENCODER,
@@ -89,8 +92,16 @@ class _Waiting:
 class EngineServer:
     """The engine process's loop: read commands, step, send each step's outputs."""
 
-    def __init__(self, sock: socket.socket, engine: LLMEngine, spec: EngineProcessSpec, checkpoint: Checkpoint):
+    def __init__(
+        self,
+        sock: socket.socket,
+        engine: LLMEngine,
+        spec: EngineProcessSpec,
+        checkpoint: Checkpoint,
+        arena: EngineArena | None = None,
+    ):
         self.sock = sock
+        self.arena = arena
         self.engine = engine
         self._reader = FrameReader()
         self._wake_r, self._wake_w = os.pipe()
@@ -153,7 +164,8 @@ class EngineServer:
     def _handle(self, command: tuple[Any, ...]) -> bool:
         kind = command[0]
         if kind == "add":
-            self._add(decode_input(command[1]))
+            # copied out of the arena now: the acknowledgement of this command frees its region
+            self._add(decode_input(command[1], self.arena))
         elif kind == "abort":
             request_id = command[1]
             if self._waiting.pop(request_id, None) is None:
@@ -221,11 +233,12 @@ def _first_frame(sock: socket.socket, reader: FrameReader) -> bytes:
 
 
 def main(fd: int) -> None:
-    """The engine process's entry point: ``fd`` is its end of the socket pair."""
+    """The engine process's entry point: ``fd`` is its end of the socket pair (the spec's frame names the
+    engine arena's descriptor, inherited like ``fd``; None: every add's tensors come inline)."""
     from pipeline.core.engine_factory import build_llm_engine
 
     sock = socket.socket(fileno=fd)
-    parent_pid, spec = pickle.loads(_first_frame(sock, FrameReader()))
+    parent_pid, spec, arena_fd = pickle.loads(_first_frame(sock, FrameReader()))
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
     if spec.config.engine_torch_threads:
@@ -236,7 +249,8 @@ def main(fd: int) -> None:
     except Exception as exc:  # report why, then exit: the serving process's start fails with it
         sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
         return
-    server = EngineServer(sock, engine, spec, checkpoint)
+    arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
+    server = EngineServer(sock, engine, spec, checkpoint, arena)
     server.send(Ready(os.getpid()))
     try:
         server.serve()

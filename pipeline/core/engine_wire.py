@@ -5,9 +5,10 @@ A frame is a 4-byte little-endian length and a body, over one Unix socket pair. 
 8 us; one step's outputs for 32 sequences encode in 11 us and decode in 16 us with msgspec's msgpack
 (pickle: 74 and 50 us), so the per-step messages from the engine are msgspec, typed. Commands go the
 other way once per request (or abort), so they are pickled: an ``EngineInput`` with a ``GrammarSpec``
-and sampling parameters, its image embeddings as raw bytes (about 0.7 ms per MB, one way, copies
-included). ZeroMQ, which vLLM and SGLang use, is not installed here and would add nothing to a
-socket pair between two processes of one host.
+and sampling parameters; its tensors (image embeddings, ``extra_prefill``) in the engine arena's shared
+memory (``pipeline.core.engine_arena``), or as raw bytes in the frame when they do not fit there (about
+0.7 ms per MB, one way, copies included). ZeroMQ, which vLLM and SGLang use, is not installed here and
+would add nothing to a socket pair between two processes of one host.
 
 Compiled grammars never cross (serializing one costs 3-20x its compile): an ``Add`` carries the spec
 and the backend the serving process chose, and the engine process compiles and caches it itself.
@@ -23,6 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
+from pipeline.core.engine_arena import EngineArena, Tensors
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
 
@@ -120,32 +122,54 @@ DECODER = msgspec.msgpack.Decoder(FromEngine)
 # -- to the engine process (pickle) -------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AddCommand:
-    """An ``EngineInput`` as it crosses: its fields but the compiled grammar, the embeddings as bytes."""
+    """An ``EngineInput`` as it crosses: its fields but the compiled grammar; its tensors either in the
+    engine arena (``shared``: where) or inline (``embeds`` as bytes, ``extra_prefill`` in ``values``)."""
 
     values: dict[str, Any]  # every field of the EngineInput but grammar and image_embeds
     embeds: tuple[tuple[int, ...], str, bytes] | None  # shape, dtype name, raw bytes
+    shared: Tensors | None = None  # image_embeds and extra_prefill, in the arena (values lack extra_prefill)
 
 
 _KEPT = tuple(f.name for f in fields(EngineInput) if f.name not in ("grammar", "image_embeds"))
+_EXTRA = "extra_prefill."  # the prefix of an extra_prefill tensor's name in the arena
 
 
-def encode_input(inp: EngineInput) -> AddCommand:
+def encode_input(inp: EngineInput, arena: EngineArena | None = None) -> AddCommand:
     """What crosses for ``inp`` (its compiled grammar stays: the engine process compiles its source).
+
+    Its tensors go into ``arena`` when given and they fit there, else inline in the frame.
 
     :raises ValueError: ``inp`` has a grammar but not its source.
     """
     if inp.grammar is not None and inp.grammar_source is None:
         raise ValueError("a grammar without its source cannot cross to the engine process")
+    values = {name: getattr(inp, name) for name in _KEPT}
+    if arena is not None and inp.image_embeds is not None:
+        tensors = {"image_embeds": inp.image_embeds} | {_EXTRA + k: v for k, v in inp.extra_prefill.items()}
+        shared = arena.put(tensors)
+        if shared is not None:
+            values["extra_prefill"] = {}
+            return AddCommand(values, None, shared)
     embeds = None
     if inp.image_embeds is not None:
         tensor = inp.image_embeds.detach().cpu().contiguous()
         raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
         embeds = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), raw)
-    return AddCommand({name: getattr(inp, name) for name in _KEPT}, embeds)
+    return AddCommand(values, embeds)
 
 
-def decode_input(add: AddCommand) -> EngineInput:
-    """The ``EngineInput`` again, without its grammar (the engine process compiles it)."""
+def decode_input(add: AddCommand, arena: EngineArena | None = None) -> EngineInput:
+    """The ``EngineInput`` again, without its grammar (the engine process compiles it); tensors in the
+    arena are copied out of it (its region is freed once the serving process learns this add was read).
+
+    :raises ValueError: the add's tensors are in an arena but none is given.
+    """
+    if add.shared is not None:
+        if arena is None:
+            raise ValueError("an add's tensors are in the engine arena but this process has none")
+        tensors = arena.take(add.shared)
+        extra = {name.removeprefix(_EXTRA): t for name, t in tensors.items() if name.startswith(_EXTRA)}
+        return EngineInput(**(add.values | {"extra_prefill": extra}), image_embeds=tensors["image_embeds"])
     image_embeds = None
     if add.embeds is not None:
         shape, dtype_name, raw = add.embeds

@@ -14,6 +14,7 @@ import torch
 
 from pipeline import PipelineConfig
 from pipeline.api.server import create_app
+from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
 from tests.images import data_url, encode, make_image
 from tests.servers import serving
@@ -92,6 +93,10 @@ async def test_the_served_answer_is_transformers_own(
             finally:
                 await client.close()
             table = pipe.token_table
+            if engine_mode == "process":  # the embeddings and DeepStack rows crossed in shared memory
+                engine = pipe.engine
+                assert isinstance(engine, ProcessEngine)
+                assert (engine.num_arena_adds, engine.num_inline_adds) == (1, 0)
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
     served = [bytes(entry.bytes or []) for entry in logprobs.content]

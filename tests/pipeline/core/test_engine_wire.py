@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+from pipeline.core.engine_arena import EngineArena
 from pipeline.core.engine_wire import DECODER, ENCODER, FrameReader, Step, decode_input, encode_input, frame
 from pipeline.types import GrammarSpec
 from sampling.inputs import EngineInput, ImageKey, SeqOutput
@@ -63,3 +64,44 @@ def test_a_step_message_keeps_outputs_and_logprobs() -> None:
     ]
     step = Step(outputs, 3, {"running_seqs": 1}, {"engine_requests": 2}, None)
     assert DECODER.decode(ENCODER.encode(step)) == step
+
+
+def test_an_input_crosses_through_the_arena_with_no_tensor_bytes_in_its_frame() -> None:
+    embeds = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))  # 8 KiB
+    deepstack = torch.randn(64, 3, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    inp = EngineInput(
+        "r3", [1] + [9] * 64, 9, embeds, SamplingParams(), extra_prefill={"deepstack_visual_embeds": deepstack}
+    )
+    arena = EngineArena.create(1 << 16)
+    try:
+        add = encode_input(inp, arena)
+        assert add.embeds is None and add.values["extra_prefill"] == {}
+        assert add.shared == (
+            ("image_embeds", 0, (64, 32), "float32"),
+            ("extra_prefill.deepstack_visual_embeds", 8192, (64, 3, 32), "bfloat16"),
+        )
+        assert len(pickle.dumps(add)) < 1024  # only where the tensors lie crosses, not their 20 KiB
+        back = decode_input(pickle.loads(pickle.dumps(add)), arena)
+        assert back.image_embeds is not None and torch.equal(back.image_embeds, embeds)
+        assert torch.equal(back.extra_prefill["deepstack_visual_embeds"], deepstack)
+        with pytest.raises(ValueError, match="arena"):
+            decode_input(add)
+    finally:
+        arena.close()
+
+
+def test_an_input_that_does_not_fit_the_arena_crosses_inline() -> None:
+    embeds = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    deepstack = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(5))
+    inp = EngineInput(
+        "r4", [9, 9, 9, 9], 9, embeds, SamplingParams(), extra_prefill={"deepstack_visual_embeds": deepstack}
+    )
+    arena = EngineArena.create(256)  # 128 + 256 bytes wanted
+    try:
+        add = encode_input(inp, arena)
+        assert add.shared is None and add.embeds is not None and arena.num_regions == 0
+        back = decode_input(pickle.loads(pickle.dumps(add)), arena)
+        assert back.image_embeds is not None and torch.equal(back.image_embeds, embeds)
+        assert torch.equal(back.extra_prefill["deepstack_visual_embeds"], deepstack)
+    finally:
+        arena.close()
