@@ -72,7 +72,7 @@ def new_engine(runner: ModelRunner, token_bytes: TokenBytes) -> Iterator[NewEngi
     engines: list[LLMEngine] = []
 
     def build(**overrides: Any) -> LLMEngine:
-        engine = make_engine(runner, token_bytes, record_timeline=True, **overrides)
+        engine = make_engine(runner, token_bytes, **({"record_timeline": True} | overrides))
         engines.append(engine)
         return engine
 

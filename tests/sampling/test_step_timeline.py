@@ -20,3 +20,11 @@ def test_each_step_records_its_kind_tokens_sequences_and_start(new_engine: NewEn
     starts = [t.start for t in engine.timeline]
     assert all(a + t.total <= b for a, b, t in zip(starts, starts[1:], engine.timeline, strict=False))
     assert all(t.cpu > 0 for t in engine.timeline)  # each ran a forward on this thread
+
+
+def test_without_recording_there_is_no_timeline(new_engine: NewEngine, hf_tokenizer: Any) -> None:
+    # what an AsyncEngine's step_timeline() filters: a pipeline without record_step_timeline returns []
+    engine = new_engine(record_timeline=False)
+    add(engine, "r", prompt(hf_tokenizer, "go"), max_tokens=2, temperature=0.0)
+    run_all(engine)
+    assert engine.timeline == []

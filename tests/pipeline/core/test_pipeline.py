@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 
 import jsonschema
@@ -30,8 +31,11 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 async def pipe(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
-    """One pipeline per engine mode for the module: tests read counters as differences, never as totals."""
-    config = PipelineConfig(max_running_seqs=8, num_kv_blocks=512, max_model_len=4096, engine_mode=request.param)
+    """One pipeline per engine mode for the module: tests read counters as differences, never as totals
+    (and step timelines from a time on)."""
+    config = PipelineConfig(
+        max_running_seqs=8, num_kv_blocks=512, max_model_len=4096, engine_mode=request.param, record_step_timeline=True
+    )
     async with Pipeline(config) as p:
         yield p
 
@@ -130,3 +134,17 @@ async def test_logprobs_come_with_every_token(pipe: Pipeline) -> None:
     assert [e.token_id for e in choice.logprobs] == choice.token_ids and len(choice.token_ids) == 6
     assert all(len(e.top) == 2 and e.logprob <= 0 for e in choice.logprobs)
     assert pipe.token_table[choice.token_ids[0]]  # the bytes entries show, from the engine in either mode
+
+
+async def test_the_steps_since_a_time_are_those_of_the_requests_after_it(pipe: Pipeline) -> None:
+    """The engine's step timeline as the benchmarks fetch it, from the engine thread or the engine process."""
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    await (await pipe.submit(body)).result()
+    since = time.perf_counter()  # the engine process's clock is the same one
+    result = await (await pipe.submit(body | {"max_tokens": 4})).result()
+    steps = await pipe.engine.step_timeline(since)
+    num_prompt = result.prompt_tokens
+    # the prompt in one chunk (sampling the first token), then a decode of one for each other token
+    assert [(t.kind, t.batch) for t in steps] == [("prefill", 1)] + [("decode", 1)] * 3
+    assert steps[0].tokens <= num_prompt and all(t.tokens == 1 for t in steps[1:])
+    assert all(since <= t.start and t.total > 0 for t in steps)
