@@ -43,7 +43,9 @@ async def _compile_started(session: aiohttp.ClientSession, url: str) -> None:
 
 async def test_a_shutdown_during_a_long_compile_respects_the_timeout() -> None:
     command = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--shutdown-timeout", "1"]
-    command += ["--grammar-backend", "xgrammar"]
+    # text only: no preparation worker would run (their end with the server is test_serve_workers'),
+    # and a worker at the lowest priority beside the compile's busy core is slow to stop
+    command += ["--grammar-backend", "xgrammar", "--preparation-mode", "thread"]
     body = {
         "messages": [{"role": "user", "content": "x"}],
         "max_tokens": 4,
