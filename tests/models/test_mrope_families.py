@@ -8,7 +8,7 @@ is a 400 naming its field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,23 +270,36 @@ async def test_one_image_answers_as_generate_and_a_guided_answer_validates(famil
     jsonschema.validate(json.loads(structured.text), SCHEMA)
 
 
-@pytest.mark.parametrize("preparation_mode", ["thread", "process"])
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+async def qwen25_vl(request: pytest.FixtureRequest, family_dir: FamilyDir) -> AsyncIterator[Pipeline]:
+    """One Qwen2.5-VL pipeline per preparation mode for the refused images (a refusal holds nothing)."""
+    config = PipelineConfig(
+        model=str(family_dir("qwen2.5-vl")),
+        device="cpu",
+        preparation_mode=request.param,
+        prep_workers=1,
+        num_kv_blocks=16,
+    )
+    async with Pipeline(config) as pipe:
+        yield pipe
+
+
 @pytest.mark.parametrize(
     ("width", "height", "why"),
     [(1, 300, "aspect ratio must be smaller than 200"), (8, 1590, "over its limit of")],
 )
 async def test_an_image_the_processor_cannot_patch_is_a_400_naming_its_field(
-    preparation_mode: str, width: int, height: int, why: str, family_dir: FamilyDir
+    qwen25_vl: Pipeline, width: int, height: int, why: str
 ) -> None:
-    folder = family_dir("qwen2.5-vl")
     body = image_request([data_url(encode(make_image(width, height, seed=1)))], max_tokens=4)
-    config = PipelineConfig(
-        model=str(folder), device="cpu", preparation_mode=preparation_mode, prep_workers=1, num_kv_blocks=16
-    )
     with anyio.fail_after(120):
-        async with Pipeline(config) as pipe:
-            with pytest.raises(ImageDecodeError, match=why) as info:
-                await (await pipe.submit(body)).result()
+        with pytest.raises(ImageDecodeError, match=why) as info:
+            await (await qwen25_vl.submit(body)).result()
     assert info.value.status == 400 and info.value.field == "messages[0].content[1].image_url.url"
 
 
