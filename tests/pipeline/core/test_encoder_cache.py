@@ -25,8 +25,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def uncached() -> AsyncIterator[Pipeline]:
-    """The reference both modes' cached embeddings are compared with."""
-    async with Pipeline(PipelineConfig(encoder_cache_bytes=0), with_engine=False) as p:
+    """The reference both modes' cached embeddings are compared with (the encoder in this process:
+    both modes give the same embeddings, and workers would start for one image)."""
+    async with Pipeline(PipelineConfig(encoder_cache_bytes=0, preparation_mode="thread"), with_engine=False) as p:
         yield p
 
 
