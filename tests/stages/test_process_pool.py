@@ -287,3 +287,25 @@ async def test_a_script_without_a_main_guard_can_start_workers(checkpoint: Check
     out = done.stdout.decode()
     assert done.returncode == 0, (out, done.stderr.decode()[-3000:])
     assert out.splitlines() == ["the script ran", f"result {[[3.0] * 3] * 2}"], out
+
+
+async def test_closing_waits_for_the_workers_together(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Both workers' exits are awaited at once: a reap that waits for the other's start would never
+    return if the pool reaped one worker after the other."""
+    import threading
+
+    from stages import process_pool
+
+    both_reaping = threading.Barrier(2, timeout=10)
+    reaped: list[float] = []
+
+    def reap(worker: Any, timeout_s: float) -> None:
+        both_reaping.wait()  # BrokenBarrierError after 10 s when the reaps run one after another
+        reaped.append(timeout_s)
+
+    monkeypatch.setattr(process_pool._Worker, "reap", reap)
+    spec = ImageWorkerSpec(str(tmp_path), max_pixels=1 << 20, target_longest_edge=None, encode=False)
+    pool = ImagePool(spec, size=2, max_image_bytes=1 << 20)
+    with anyio.fail_after(60):
+        await pool.aclose()
+    assert reaped == [5.0, 5.0]
