@@ -18,26 +18,7 @@ from pipeline.api.responses import TokenText, chat_choice
 from pipeline.core.call_check import with_calls_check
 from pipeline.core.pipeline import Pipeline
 from tests.models.plain_tags import NEWLINE_MARKER, build_multi_token_qwen
-
-FamilyDir = Callable[[str], Path]
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+from tests.models.tool_requests import MESSAGES, SCHEMAS, TOOLS, FamilyDir
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ chat template renders a conversation with a call and its result."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -17,28 +16,10 @@ from pipeline import PipelineConfig
 from pipeline.api.responses import TokenText, chat_choice
 from pipeline.core.pipeline import Pipeline
 from pipeline.protocol.tool_calls import CallReader
+from tests.models.tool_requests import MESSAGES, SCHEMAS, TOOLS, FamilyDir
 
-FamilyDir = Callable[[str], Path]
 FAMILIES = ["qwen3", "llama3.1", "qwen2.5-vl", "qwen3-vl"]
 ARGUMENTS_KEY = {"qwen3": "arguments", "llama3.1": "parameters", "qwen2.5-vl": "arguments", "qwen3-vl": "arguments"}
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _config(folder: Path) -> PipelineConfig:

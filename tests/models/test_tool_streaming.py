@@ -5,7 +5,6 @@ same greedy request answered whole."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +16,8 @@ from pipeline import PipelineConfig
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
 from tests.models.plain_tags import NEWLINE_MARKER, build_multi_token_qwen
+from tests.models.tool_requests import MESSAGES, TOOLS, FamilyDir
 from tests.servers import serving
-
-FamilyDir = Callable[[str], Path]
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 Answer = tuple[str | None, list[tuple[str, str]], str | None]  # content, (name, arguments) per call, finish
 
