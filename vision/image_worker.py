@@ -24,11 +24,9 @@ pipe first. It exits when the pipe closes, and the kernel kills it when the serv
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,13 +37,13 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import PipelineError
+from vision.child_process import die_with_parent
 from vision.preprocess import GridThw
 from vision.slab import Slab
 
 __all__ = ["ImageReply", "ImageTask", "ImageWorkerSpec", "main", "worker_main"]
 
 ImageFn = Callable[[bytes, str], tuple[torch.Tensor, GridThw, bool]]
-_PR_SET_PDEATHSIG = 1
 _FIRST_OUTPUT_SLAB = 8 * 1024 * 1024
 
 
@@ -109,15 +107,6 @@ def _load_task(spec: ImageWorkerSpec) -> ImageFn:
     return task
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the serving process dies (Linux); exit if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 def main(fd: int) -> None:
     """A worker process's entry point: ``fd`` is its end of the pipe; the parent's pid and the spec
     come first on it."""
@@ -128,7 +117,7 @@ def main(fd: int) -> None:
 
 def worker_main(conn: Connection, parent_pid: int, spec: ImageWorkerSpec) -> None:
     """The worker's whole life: set up, serve jobs until told to stop or the pipe closes."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     if spec.nice:
         os.nice(spec.nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us

@@ -24,13 +24,11 @@ serving process dies (``PR_SET_PDEATHSIG``), so it is never left behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import select
 import signal
 import socket
-import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -58,10 +56,10 @@ from sampling.async_engine import decoding_stats, prefix_figures
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 from vision.checkpoint import Checkpoint
+from vision.child_process import die_with_parent
 
 __all__ = ["EngineProcessSpec", "figures", "main"]
 
-_PR_SET_PDEATHSIG = 1
 ALIVE_EVERY_S = 1.0  # a message at least this often while the engine has work (the hang detector reads it)
 
 
@@ -213,15 +211,6 @@ class EngineServer:
         return failed
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the serving process dies (Linux); exit if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 def _first_frame(sock: socket.socket, reader: FrameReader) -> bytes:
     while True:
         data = sock.recv(1 << 16)
@@ -239,7 +228,7 @@ def main(fd: int) -> None:
 
     sock = socket.socket(fileno=fd)
     parent_pid, spec, arena_fd = pickle.loads(_first_frame(sock, FrameReader()))
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
     if spec.config.engine_torch_threads:
         torch.set_num_threads(spec.config.engine_torch_threads)
