@@ -33,6 +33,7 @@ __all__ = [
     "OutputStream",
     "Stop",
     "decoding_stats",
+    "deliver",
     "prefix_figures",
 ]
 
@@ -119,6 +120,18 @@ class OutputStream:
 
     def __aiter__(self) -> AsyncIterator[SeqOutput]:
         return aiter(self._mailbox)
+
+
+def deliver(streams: dict[str, OutputStream], outputs: list[SeqOutput]) -> None:
+    """Push one step's outputs to their requests' streams (on the event loop); a finished stream
+    leaves ``streams``, an output of a request aborted meanwhile is dropped."""
+    for output in outputs:
+        stream = streams.get(output.request_id)
+        if stream is None:
+            continue
+        stream.push(output)
+        if stream.is_finished:
+            del streams[output.request_id]
 
 
 class AsyncEngine:
@@ -259,10 +272,4 @@ class AsyncEngine:
             pass
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # aborted meanwhile
-            stream.push(output)
-            if stream.is_finished:
-                del self._streams[output.request_id]
+        deliver(self._streams, outputs)

@@ -32,7 +32,7 @@ from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.core.engine_wire import Alive, BarrierReached, Step, StepTimeline, encode_input
 from pipeline.errors import EngineFailed
-from sampling.async_engine import Add, EngineQueueFull, OutputStream
+from sampling.async_engine import Add, EngineQueueFull, OutputStream, deliver
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
 
@@ -269,13 +269,7 @@ class ProcessEngine:
         self._stats, self._held, self._prefix = message.stats, message.held, message.prefix
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # aborted meanwhile
-            stream.push(output)
-            if stream.is_finished:
-                del self._streams[output.request_id]
+        deliver(self._streams, outputs)
 
     def _on_lost(self, link: EngineLink) -> None:
         if link is not self._link:
