@@ -80,10 +80,49 @@ def _text(ids: dict[str, int], interleaved: bool) -> dict[str, Any]:
     return {**_text_dims(), "rope_parameters": rope, "bos_token_id": None, "eos_token_id": ids["<|im_end|>"]}
 
 
+def _build(
+    folder: Path, classes: tuple[Any, Any, Any, Any], *, patch: int, interleaved: bool, tower: dict[str, Any]
+) -> Path:
+    """A Qwen-VL checkpoint from its (config, model, processor, video processor) classes: the shared
+    tokenizer, a tower of ``patch``-pixel patches merged 2 x 2 with the family's own ``tower`` keys,
+    and the decoder under M-RoPE (``interleaved``: Qwen3-VL's layout of the three sections)."""
+    import torch
+
+    config_class, model_class, processor_class, video_class = classes
+    tokenizer = build_tokenizer(QWEN_VL_SPECIALS, chat_template=QWEN_VL_TEMPLATE, bos=None, eos="<|im_end|>")
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in QWEN_VL_SPECIALS}
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": patch,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        **tower,
+        "out_hidden_size": 64,
+        "initializer_range": INIT_RANGE,
+    }
+    config = config_class(
+        text_config=_text(ids, interleaved=interleaved),
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(SEED)
+    model = model_class(config).eval()
+    _randomise_biases(model)
+    processor = processor_class(
+        image_processor=_image_processor(patch), tokenizer=tokenizer, video_processor=video_class()
+    )
+    return _save(model, processor, tokenizer, folder)
+
+
 def build_qwen2_5_vl(folder: Path) -> Path:
     """Qwen2.5-VL: a windowed-attention tower whose patch merger joins 2 x 2 patches into one token,
     a Qwen2 decoder (q/k/v biases) under M-RoPE, and Qwen's processor."""
-    import torch
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -91,71 +130,17 @@ def build_qwen2_5_vl(folder: Path) -> Path:
         Qwen2VLVideoProcessor,
     )
 
-    tokenizer = build_tokenizer(QWEN_VL_SPECIALS, chat_template=QWEN_VL_TEMPLATE, bos=None, eos="<|im_end|>")
-    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in QWEN_VL_SPECIALS}
-    vision = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "window_size": 56,  # windows of 2 x 2 merged tokens: the first block's attention is windowed
-        "fullatt_block_indexes": [1],
-        "out_hidden_size": 64,
-        "initializer_range": INIT_RANGE,
-    }
-    config = Qwen2_5_VLConfig(
-        text_config=_text(ids, interleaved=False),
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(SEED)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    _randomise_biases(model)
-    processor = Qwen2_5_VLProcessor(
-        image_processor=_image_processor(14), tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor()
-    )
-    return _save(model, processor, tokenizer, folder)
+    classes = (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor)
+    # windows of 2 x 2 merged tokens: the first block's attention is windowed
+    tower = {"window_size": 56, "fullatt_block_indexes": [1]}
+    return _build(folder, classes, patch=14, interleaved=False, tower=tower)
 
 
 def build_qwen3_vl(folder: Path) -> Path:
     """Qwen3-VL: a tower with learned position embeddings whose first layers also feed DeepStack
     features into the decoder's first layers, a Qwen3 decoder (qk-norm) under interleaved M-RoPE."""
-    import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    tokenizer = build_tokenizer(QWEN_VL_SPECIALS, chat_template=QWEN_VL_TEMPLATE, bos=None, eos="<|im_end|>")
-    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in QWEN_VL_SPECIALS}
-    vision = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0, 1],
-        "out_hidden_size": 64,
-        "initializer_range": INIT_RANGE,
-    }
-    config = Qwen3VLConfig(
-        text_config=_text(ids, interleaved=True),
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(SEED)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    _randomise_biases(model)
-    processor = Qwen3VLProcessor(
-        image_processor=_image_processor(16), tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor()
-    )
-    return _save(model, processor, tokenizer, folder)
+    classes = (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    tower = {"num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
+    return _build(folder, classes, patch=16, interleaved=True, tower=tower)
