@@ -18,6 +18,7 @@ from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import blocks_needed
 from sampling.params import SamplingParams
 from tests.models.test_text_families import TEXT_FAMILIES
+from tests.sampling.helpers import run_all
 from vision.checkpoint import Checkpoint
 
 FamilyDir = Callable[[str], Path]
@@ -74,15 +75,7 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], **params: Any) -> dic
     image_token = engine.runner.image_token_id if engine.runner.image_token_id is not None else -1
     for name, ids in prompts.items():
         engine.add(EngineInput(name, ids, image_token, None, sampling))
-    merged: dict[tuple[str, int], SeqOutput] = {}
-    for _ in range(2000):
-        if not engine.has_work():
-            break
-        for out in engine.step():
-            m = merged.setdefault((out.request_id, out.index), SeqOutput(out.request_id, out.index, [], ""))
-            m.token_ids += out.token_ids
-            m.finish_reason, m.error = out.finish_reason, out.error
-    assert not engine.has_work(), "the engine did not become idle"
+    merged = run_all(engine, max_steps=2000)  # raises when the engine does not become idle
     assert all(o.finish_reason == "length" for o in merged.values()), merged
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
     return merged

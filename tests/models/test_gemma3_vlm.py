@@ -24,13 +24,14 @@ from pipeline.protocol.request import parse_chat_request
 from sampling.engine import LLMEngine
 from sampling.families import build_runner
 from sampling.image_spans import chunk_end, span_around
-from sampling.inputs import EngineInput, ImageKey, SeqOutput
+from sampling.inputs import EngineInput, ImageKey
 from sampling.kv_cache import blocks_needed
 from sampling.params import SamplingParams
 from sampling.scheduler import PrefillStep, Schedule
 from stages.template import TemplateStage
 from tests.images import data_url, encode, image_request, make_image
 from tests.models.checkpoints import GEMMA3_MM_TOKENS
+from tests.sampling.helpers import run_all
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
 from vision.image_text import ImageText
@@ -226,15 +227,7 @@ def _run(engine: LLMEngine, folder: Path, requests: dict[str, int], **params: An
         ids = _inputs(folder, parts, images)["input_ids"][0].tolist()
         rows, keys = _embeds(checkpoint, images)
         engine.add(EngineInput(name, ids, checkpoint.image_token_id, rows, sampling, image_keys=keys))
-    merged: dict[tuple[str, int], SeqOutput] = {}
-    for _ in range(2000):
-        if not engine.has_work():
-            break
-        for out in engine.step():
-            m = merged.setdefault((out.request_id, out.index), SeqOutput(out.request_id, out.index, [], ""))
-            m.token_ids += out.token_ids
-            m.finish_reason, m.error = out.finish_reason, out.error
-    assert not engine.has_work(), "the engine did not become idle"
+    merged = run_all(engine, max_steps=2000)  # raises when the engine does not become idle
     assert all(o.finish_reason == "length" for o in merged.values()), merged
     return {key: out.token_ids for key, out in merged.items()}
 

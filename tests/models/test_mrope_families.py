@@ -29,6 +29,7 @@ from sampling.inputs import EngineInput, ImageKey, SeqOutput
 from sampling.kv_cache import blocks_needed
 from sampling.params import SamplingParams
 from tests.images import data_url, encode, image_request, make_image
+from tests.sampling.helpers import run_all
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
 from vision.mrope import MRopeIndex, MRopePositions
@@ -167,16 +168,7 @@ def _input(name: str, case: Case, token: int, **params: Any) -> EngineInput:
 def _run(engine: LLMEngine, inputs: list[EngineInput]) -> dict[tuple[str, int], SeqOutput]:
     for inp in inputs:
         engine.add(inp)
-    merged: dict[tuple[str, int], SeqOutput] = {}
-    for _ in range(2000):
-        if not engine.has_work():
-            break
-        for out in engine.step():
-            m = merged.setdefault((out.request_id, out.index), SeqOutput(out.request_id, out.index, [], ""))
-            m.token_ids += out.token_ids
-            m.logprobs = (m.logprobs or []) + (out.logprobs or [])
-            m.finish_reason, m.error = out.finish_reason, out.error
-    assert not engine.has_work(), "the engine did not become idle"
+    merged = run_all(engine, max_steps=2000)  # raises when the engine does not become idle
     assert all(o.finish_reason == "length" for o in merged.values()), merged
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
     return merged

@@ -58,5 +58,7 @@ def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[tuple[str, int], S
             m = merged[key]
             m.token_ids += out.token_ids
             m.text += out.text
+            if out.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + out.logprobs
             m.finish_reason, m.error, m.error_kind = out.finish_reason, out.error, out.error_kind
     raise AssertionError("the engine did not become idle")
