@@ -80,6 +80,16 @@ def _limitations(message: str) -> list[str]:
     return [label for prefix, label in _LIMITATIONS.items() if message.startswith(prefix)]
 
 
+def _special_tokens(hf_tokenizer: Any, tokenizer: llguidance.LLTokenizer) -> dict[str, int]:
+    """The text of each token llguidance reads as special (no text: its lexer never matches it) -> its id."""
+    added: dict[int, Any] = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+    return {
+        str(token): i
+        for i, token in added.items()
+        if i < tokenizer.vocab_size and tokenizer.is_special_token(i) and str(token)
+    }
+
+
 class LLGuidanceBackend:
     """One ``LLTokenizer`` (about 2 s to build: make one per tokenizer), its compilers and a fill executor."""
 
@@ -91,6 +101,7 @@ class LLGuidanceBackend:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.special_tokens = _special_tokens(hf_tokenizer, self.tokenizer)
         self.num_words = (vocab_size + 31) // 32
         self._filler = BitmaskFiller(max_threads)
         # The lexer spends "fuel" building states; a mask refills it to step_lexer_fuel, tokens taken
@@ -198,7 +209,7 @@ class LLGuidanceBackend:
         :raises GrammarError: the translation does not compile.
         """
         try:
-            lark = structural_tag_to_lark(tag)
+            lark = structural_tag_to_lark(tag, self.special_tokens)
         except NotTranslatable as exc:
             raise UnsupportedSchemaError(f"llguidance does not compile {exc} here", field=field) from None
         return self._build("structural_tag", llguidance.LLMatcher.grammar_from_lark(lark), field=field)

@@ -5,6 +5,7 @@ chat template renders a conversation with a call and its result."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -151,3 +152,35 @@ async def test_auto_calls_open_at_the_hermes_marker_token(family_dir: FamilyDir)
     assert calls is not None and len(calls) == 1
     assert "<tool_call>" not in (choice.message.content or "")
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS[calls[0].function.name])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+async def test_hermes_calls_end_at_the_special_end_token_with_either_backend(
+    backend: str, family_dir: FamilyDir
+) -> None:
+    """Qwen's ``</tool_call>`` is one special token: the grammar takes that token as the end tag
+    with either backend (llguidance's matcher once refused the token its mask allowed: a 500).
+    A bias on ``<|im_end|>`` ends the answer as soon as the grammar lets it."""
+    folder = family_dir("qwen3")
+    config = dataclasses.replace(_config(folder), grammar_backend=backend)
+    with anyio.fail_after(180):
+        async with Pipeline(config) as pipe:
+            end = pipe.checkpoint.tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"])
+            body = {
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "max_tokens": 96,
+                "temperature": 0,
+                "logit_bias": {str(end[1]): 100},
+            }
+            handle = await pipe.submit(body)
+            result = await handle.result()
+            assert handle.request.grammar is not None and handle.request.grammar.kind == "structural_tag"
+            choice = chat_choice(result.choices[0], False, TokenText(pipe.token_table))
+    assert end[0] in result.choices[0].token_ids
+    assert choice.finish_reason == "tool_calls", result.choices[0]
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) >= 1
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
