@@ -119,30 +119,37 @@ class HFModelRunner(PagedRunner):
         image_rows: torch.Tensor | None,
         rope_positions: torch.Tensor | None = None,
         extra_inputs: dict[str, torch.Tensor] | None = None,
+        *,
+        num_prompt_tokens: int | None = None,
     ) -> torch.Tensor:
         """``rope_positions``: the chunk's M-RoPE positions ``[3, len(token_ids)]``; ``extra_inputs``:
-        per-image-token inputs of the chunk (the registry's ``extra_prefill_inputs``)."""
+        per-image-token inputs of the chunk (the registry's ``extra_prefill_inputs``);
+        ``num_prompt_tokens``: how many of ``token_ids`` are the prompt's (see ``image_mask``)."""
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
         if rope_positions is not None:
             batch.rope_positions = rope_positions.to(self.device)
         ids = torch.tensor(token_ids, device=self.device)
-        image = self.image_token_id
-        if self.atomic_image_spans and image is not None and image_rows is not None and image_rows.numel():
-            batch.image_spans = image_span_ids(ids, image, start)
-        inputs = self._extra_inputs(ids, extra_inputs or {})
-        return self._forward(self._embed(ids, image_rows), batch, 1, **inputs)
+        is_image = self.image_mask(ids, num_prompt_tokens)
+        if (
+            self.atomic_image_spans
+            and self.image_token_id is not None
+            and image_rows is not None
+            and image_rows.numel()
+        ):
+            batch.image_spans = image_span_ids(is_image, start)
+        inputs = self._extra_inputs(is_image, extra_inputs or {})
+        return self._forward(self._embed(ids, image_rows, is_image), batch, 1, **inputs)
 
-    def _extra_inputs(self, ids: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _extra_inputs(self, is_image: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The language model's keyword inputs for the chunk's per-image-token rows."""
         deepstack = extra.get("deepstack_visual_embeds")
-        token = self.image_token_id
-        if deepstack is None or not deepstack.numel() or token is None:
+        if deepstack is None or not deepstack.numel() or self.image_token_id is None:
             return {}
         # Qwen3-VL: rows [image tokens, layers, hidden] -> one [image tokens, hidden] per decoder layer,
         # added to the hidden states at the image tokens (visual_pos_masks [1, N]) after that layer
         rows = deepstack.to(self.device, self.dtype)
         return {
-            "visual_pos_masks": torch.eq(ids, token)[None],
+            "visual_pos_masks": is_image[None],
             "deepstack_visual_embeds": list(rows.unbind(1)),
         }
 

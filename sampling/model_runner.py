@@ -57,10 +57,14 @@ class ModelRunner(PagedRunner):
         start: int,
         block_table: list[int],
         image_rows: torch.Tensor | None,
+        *,
+        num_prompt_tokens: int | None = None,
     ) -> torch.Tensor:
+        """``num_prompt_tokens``: how many of ``token_ids`` are the prompt's (see ``image_mask``)."""
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
         ids = torch.tensor(token_ids, device=self.device)
-        hidden = self.model(self._embed(ids, image_rows)[None], batch, self.kv_caches)
+        embeds = self._embed(ids, image_rows, self.image_mask(ids, num_prompt_tokens))
+        hidden = self.model(embeds[None], batch, self.kv_caches)
         return self.model.compute_logits(hidden[0, -1:])
 
     @torch.inference_mode()

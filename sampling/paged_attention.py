@@ -59,11 +59,10 @@ class AttentionBatch:
         return mask
 
 
-def image_span_ids(token_ids: torch.Tensor, image_token_id: int, start: int) -> torch.Tensor:
-    """``[1, start + len(token_ids)]``: for the chunk ``token_ids`` at positions ``start...``, the
-    span each image token belongs to (runs of image tokens, numbered from 0), -1 elsewhere and
-    before the chunk. What transformers builds from Gemma 3's ``token_type_ids``."""
-    is_image = token_ids == image_token_id
+def image_span_ids(is_image: torch.Tensor, start: int) -> torch.Tensor:
+    """``[1, start + len(is_image)]``: for the chunk at positions ``start...`` whose image
+    placeholders are ``is_image``, the span each belongs to (runs of placeholders, numbered from 0),
+    -1 elsewhere and before the chunk. What transformers builds from Gemma 3's ``token_type_ids``."""
     begins = is_image & ~F.pad(is_image, (1, 0))[:-1]
     spans = torch.where(is_image, begins.cumsum(0) - 1, -1)
     return F.pad(spans, (start, 0), value=-1)[None]

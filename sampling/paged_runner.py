@@ -58,11 +58,24 @@ class PagedRunner:
             dtype=self.dtype,
         )
 
-    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-        """The embeddings of ``token_ids``, each image token's replaced by its row of ``image_rows``."""
+    def image_mask(self, token_ids: torch.Tensor, num_prompt_tokens: int | None) -> torch.Tensor:
+        """``[T]`` which tokens of a prefill chunk are image placeholders: the prompt's image tokens,
+        the chunk's first ``num_prompt_tokens`` (None: all of it is prompt). An image token the model
+        generated (replayed after a preemption) is text, embedded as its token, as the decode step
+        that produced it did and as transformers' decode steps do; vLLM places images by prompt
+        position, not by token id, for the same reason."""
+        if self.image_token_id is None:
+            return torch.zeros_like(token_ids, dtype=torch.bool)
+        is_image = token_ids == self.image_token_id
+        if num_prompt_tokens is not None:
+            is_image[max(num_prompt_tokens, 0) :] = False
+        return is_image
+
+    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None, is_image: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``token_ids``, each image placeholder's (``is_image``) replaced by its image row."""
         embeds = self.embed_tokens(token_ids)
         if image_rows is not None and image_rows.numel():
-            embeds[token_ids == self.image_token_id] = image_rows.to(self.device, self.dtype)
+            embeds[is_image] = image_rows.to(self.device, self.dtype)
         return embeds
 
     @property
@@ -116,10 +129,17 @@ class PagedRunner:
             v_cache[dst_slots] = v_cache[src_slots]
 
     def prefill(
-        self, token_ids: list[int], start: int, block_table: list[int], image_rows: torch.Tensor | None
+        self,
+        token_ids: list[int],
+        start: int,
+        block_table: list[int],
+        image_rows: torch.Tensor | None,
+        *,
+        num_prompt_tokens: int | None = None,
     ) -> torch.Tensor:
         """Run the chunk ``token_ids`` at positions ``start...`` of one sequence; logits ``[1, vocab]``
-        of its last token. ``image_rows`` holds the embedding of each image token in the chunk."""
+        of its last token. ``image_rows`` holds the embedding of each image placeholder in the chunk
+        (the prompt's image tokens: its first ``num_prompt_tokens``, see ``image_mask``)."""
         raise NotImplementedError
 
     def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -120,6 +120,8 @@ class StepParts:
             extra_rows = seq.extra_rows(step.start, step.end, runner.image_token_id)
             if extra_rows:
                 extra["extra_inputs"] = extra_rows
+            # a replay after a preemption runs past the prompt: its generated tokens are no image placeholders
+            extra["num_prompt_tokens"] = len(seq.prompt_ids) - step.start
             forward = functools.partial(runner.prefill, chunk, step.start, seq.block_table, image_rows, **extra)
             if not step.is_last_chunk:
                 self.timed(timing, forward)

@@ -72,9 +72,9 @@ def test_n4_shares_one_prefill_and_gives_four_outputs(
     prefills: list[int] = []
     real = engine.runner.prefill
 
-    def counted(token_ids: list[int], *args: Any) -> Any:
+    def counted(token_ids: list[int], *args: Any, **kwargs: Any) -> Any:
         prefills.append(len(token_ids))
-        return real(token_ids, *args)
+        return real(token_ids, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "prefill", counted)
     ids = prompt(hf_tokenizer, "four please")

@@ -138,7 +138,7 @@ def test_a_prefix_hit_that_ends_inside_a_span_starts_the_prefill_before_it() -> 
 def test_a_query_in_a_span_sees_its_whole_span_and_nothing_else_ahead() -> None:
     chunk = torch.tensor([3, IMG, IMG, IMG, 4, IMG, IMG, 5])
     start, window = 2, 3
-    spans = image_span_ids(chunk, IMG, start)
+    spans = image_span_ids(chunk == IMG, start)
     assert spans.tolist() == [[-1, -1, -1, 0, 0, 0, -1, 1, 1, -1]]
     length = start + len(chunk)
     batch = AttentionBatch(

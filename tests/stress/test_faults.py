@@ -201,10 +201,10 @@ async def test_engine_step_raising_for_one_sequence(
     poison = pipe.checkpoint.tokenizer.encode("POISONED", add_special_tokens=False)
     real = runner.prefill
 
-    def prefill(token_ids: list[int], *args: Any) -> Any:
+    def prefill(token_ids: list[int], *args: Any, **kwargs: Any) -> Any:
         if any(token_ids[i : i + len(poison)] == poison for i in range(len(token_ids))):
             raise RuntimeError("simulated device fault")
-        return real(token_ids, *args)
+        return real(token_ids, *args, **kwargs)
 
     monkeypatch.setattr(runner, "prefill", prefill)
     bodies = [{"messages": [{"role": "user", "content": t}], "max_tokens": 4} for t in ("fine", "POISONED", "also")]
