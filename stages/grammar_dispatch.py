@@ -10,11 +10,13 @@ answer check (``stages/answer_check.py``) still catches; the dispatch only makes
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.types import GrammarSpec
+from stages.schema_walk import SchemaWalk
 
 __all__ = [
     "LLGUIDANCE_KINDS",
@@ -117,8 +119,10 @@ ROWS: tuple[DispatchRow, ...] = (
 
 
 def _subschemas(node: Any) -> Iterator[dict[str, Any]]:
-    """Every dict in the schema, depth first (keyword values that are schemas, and any others: a
-    false positive only costs a backend choice, never correctness)."""
+    """Every object (dict) in the schema, depth first: the keyword values that are schemas, and
+    any other objects (a ``properties`` map, an object inside an ``enum``); arrays are walked
+    through, not yielded. A row matching a non-schema object only costs a backend choice, never
+    correctness."""
     stack = [node]
     while stack:
         item = stack.pop()
@@ -130,8 +134,12 @@ def _subschemas(node: Any) -> Iterator[dict[str, Any]]:
 
 
 def schema_nodes(schema: Any) -> int:
-    """The number of objects and arrays in ``schema``: the estimate of its compile cost."""
-    return sum(1 for _ in _subschemas(schema))
+    """The number of objects and arrays in ``schema``, counted as the admission limit counts them
+    (``grammar_max_schema_nodes``, stages/grammar_limits.py): the estimate of its compile cost."""
+    walk = SchemaWalk(schema)
+    for _ in walk.nodes(sys.maxsize):
+        pass
+    return walk.num_nodes
 
 
 def is_lark(grammar: Any) -> bool:

@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from stages.grammar_dispatch import MAX_XGRAMMAR_NODES, ROWS, choose_backend
+from stages.grammar_dispatch import MAX_XGRAMMAR_NODES, ROWS, Dispatch, choose_backend, schema_nodes
+from stages.schema_walk import SchemaWalk
 from tests.grammars import accepts
 
 # row feature -> (schema, an answer that breaks it (or None), a valid answer xgrammar refuses (or None));
@@ -80,3 +81,17 @@ def test_plain_schemas_and_other_kinds_stay_with_xgrammar() -> None:
 def test_a_large_schema_goes_to_llguidance() -> None:
     big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_XGRAMMAR_NODES)}}
     assert choose_backend(GrammarSpec("json_schema", big)).backend == "llguidance"
+
+
+def test_schema_nodes_counts_objects_and_arrays_as_the_admission_limit_does() -> None:
+    """The size that sends a schema to llguidance is the admission limit's measure: arrays count."""
+    # per property one object and one array (its enum): half the nodes are arrays
+    schema = {"type": "object", "properties": {f"p{i}": {"enum": ["a", "b"]} for i in range(1_000)}}
+    walk = SchemaWalk(schema)
+    num_nodes = sum(1 for _ in walk.nodes(10**6))
+    assert schema_nodes(schema) == num_nodes == 2 + 1_000 + 1_000
+    assert num_nodes > MAX_XGRAMMAR_NODES
+    assert choose_backend(GrammarSpec("json_schema", schema)) == Dispatch(
+        "llguidance", f"large schema (over {MAX_XGRAMMAR_NODES} nodes)"
+    )
+    assert schema_nodes({"anyOf": [{"type": "integer"}, [{"x": []}]]}) == 6  # 3 objects, 3 arrays
