@@ -32,6 +32,7 @@ from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.core.engine_wire import Alive, BarrierReached, Step, StepTimeline, encode_input
 from pipeline.errors import EngineFailed
+from pipeline.observability.trace import Tracer
 from sampling.async_engine import Add, EngineQueueFull, OutputStream, deliver
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
@@ -59,8 +60,10 @@ class ProcessEngine:
         retry_after_s: float,
         token_table: Callable[[], list[bytes]],
         arena_bytes: int = ARENA_BYTES,
+        tracer: Tracer | None = None,
     ) -> None:
         self.spec = spec
+        self.tracer = tracer  # records the engine's step spans (the spec asks the process to trace)
         self.arena_bytes = arena_bytes  # 0: no arena, every add's tensors inline
         self.queue_size = queue_size
         self.step_timeout_s = step_timeout_s
@@ -245,6 +248,9 @@ class ProcessEngine:
         if isinstance(message, Step):
             self._figures(message)
             self._deliver(message.outputs)
+            if self.tracer is not None:
+                for span in message.spans:
+                    self.tracer.span(span.name, span.cat, None, span.start, span.end, **span.args)
         elif isinstance(message, BarrierReached):
             self._figures(message)
             reached = self._barriers.pop(message.token, None)

@@ -7,7 +7,7 @@ from typing import cast
 
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_process import EngineProcessSpec
+from pipeline.core.engine_process import EngineProcessSpec, SpanBuffer
 from pipeline.errors import PromptTooLong
 from pipeline.observability.trace import Tracer
 from sampling.async_engine import AsyncEngine
@@ -68,7 +68,7 @@ def build_llm_engine(
     config: PipelineConfig,
     *,
     device: str,
-    tracer: Tracer | None = None,
+    tracer: Tracer | SpanBuffer | None = None,
     record_timeline: bool = False,
     runner: PagedRunner | None = None,
 ) -> LLMEngine:
@@ -106,7 +106,7 @@ def build_engine(
     """The decode engine of ``checkpoint``, sized by ``config``: on its own thread, or (``engine_mode``
     "process") the client of an engine process that ``start()`` starts (the model loads there)."""
     if config.engine_mode == "process":
-        spec = EngineProcessSpec(config, str(checkpoint.path), device)
+        spec = EngineProcessSpec(config, str(checkpoint.path), device, trace=tracer is not None)
         return ProcessEngine(
             spec,
             queue_size=config.engine_queue_size,
@@ -116,6 +116,7 @@ def build_engine(
             token_table=functools.cache(
                 lambda: TokenBytes.from_tokenizer(checkpoint.tokenizer_info, checkpoint.tokenizer).table
             ),
+            tracer=tracer,
         )
     engine = build_llm_engine(checkpoint, config, device=device, tracer=tracer)
     return AsyncEngine(engine, queue_size=config.engine_queue_size)

@@ -13,7 +13,8 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("abort", request id) ───────────────▶   freed before the next step
     ("barrier", token) ──────────────────▶ ◀── BarrierReached(token, figures)
     ("timeline", token, since) ──────────▶ ◀── StepTimeline(token, steps)   (record_step_timeline)
-                                        ◀──  Step(outputs of all sequences, figures) once per step
+                                        ◀──  Step(outputs of all sequences, figures, traced step spans)
+                                             once per step
                                         ◀──  Alive, after a second without a message
     ("stop",) ───────────────────────────▶   exits
 
@@ -49,6 +50,7 @@ from pipeline.core.engine_wire import (
     Ready,
     Step,
     StepTimeline,
+    TracedSpan,
     decode_input,
     frame,
 )
@@ -58,7 +60,7 @@ from sampling.inputs import EngineInput, SeqOutput
 from vision.checkpoint import Checkpoint
 from vision.child_process import die_with_parent
 
-__all__ = ["EngineProcessSpec", "figures", "main"]
+__all__ = ["EngineProcessSpec", "SpanBuffer", "figures", "main"]
 
 ALIVE_EVERY_S = 1.0  # a message at least this often while the engine has work (the hang detector reads it)
 
@@ -70,6 +72,23 @@ class EngineProcessSpec:
     config: PipelineConfig
     checkpoint_path: str
     device: str
+    trace: bool = False  # trace the engine's steps (the serving process's tracer records them)
+
+
+class SpanBuffer:
+    """The engine's tracer here: its step spans wait for the next ``Step`` to carry them across."""
+
+    def __init__(self) -> None:
+        self._spans: list[TracedSpan] = []
+
+    def span(self, name: str, cat: str, request_id: str | None, start: float, end: float, **args: Any) -> None:
+        """``Tracer.span``'s interface (the engine's spans have no request)."""
+        self._spans.append(TracedSpan(name, cat, start, end, args))
+
+    def take(self) -> list[TracedSpan]:
+        """The spans kept since the last call (the stepping thread records them, the same one takes them)."""
+        spans, self._spans = self._spans, []
+        return spans
 
 
 def figures(engine: LLMEngine) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
@@ -97,10 +116,12 @@ class EngineServer:
         spec: EngineProcessSpec,
         checkpoint: Checkpoint,
         arena: EngineArena | None = None,
+        spans: SpanBuffer | None = None,
     ):
         self.sock = sock
         self.arena = arena
         self.engine = engine
+        self.spans = spans
         self._reader = FrameReader()
         self._wake_r, self._wake_w = os.pipe()
         self.grammars = EngineGrammars(spec.config, checkpoint, on_done=self._wake)
@@ -133,8 +154,9 @@ class EngineServer:
             outputs = self._admit_compiled()
             if engine.has_work():
                 outputs += engine.step()
-            if outputs:
-                self.send(Step(outputs, self._num_read, *self._figures()))
+            spans = self.spans.take() if self.spans is not None else []
+            if outputs or spans:
+                self.send(Step(outputs, self._num_read, *self._figures(), spans=spans))
             elif self._num_read != self._num_acked or (
                 (busy or self._waiting) and time.monotonic() - self._sent_at > ALIVE_EVERY_S
             ):
@@ -234,12 +256,13 @@ def main(fd: int) -> None:
         torch.set_num_threads(spec.config.engine_torch_threads)
     try:
         checkpoint = Checkpoint(Path(spec.checkpoint_path))
-        engine = build_llm_engine(checkpoint, spec.config, device=spec.device)
+        spans = SpanBuffer() if spec.trace else None
+        engine = build_llm_engine(checkpoint, spec.config, device=spec.device, tracer=spans)
     except Exception as exc:  # report why, then exit: the serving process's start fails with it
         sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
         return
     arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
-    server = EngineServer(sock, engine, spec, checkpoint, arena)
+    server = EngineServer(sock, engine, spec, checkpoint, arena, spans)
     server.send(Ready(os.getpid()))
     try:
         server.serve()

@@ -37,6 +37,7 @@ __all__ = [
     "Ready",
     "Step",
     "StepTimeline",
+    "TracedSpan",
     "decode_input",
     "encode_command",
     "encode_input",
@@ -83,6 +84,16 @@ class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
 
+class TracedSpan(msgspec.Struct, array_like=True):
+    """One span the engine traced (``Tracer.span``'s arguments; ``perf_counter`` is one clock for both processes)."""
+
+    name: str
+    cat: str
+    start: float
+    end: float
+    args: dict[str, Any]
+
+
 class Step(msgspec.Struct, tag="step"):
     """One step's outputs for every sequence that produced a token, and the engine's figures after it."""
 
@@ -91,6 +102,7 @@ class Step(msgspec.Struct, tag="step"):
     stats: dict[str, int]
     held: dict[str, int]
     prefix: dict[str, int] | None
+    spans: list[TracedSpan] = msgspec.field(default_factory=list)  # the steps traced since the last Step (--trace)
 
 
 class BarrierReached(msgspec.Struct, tag="barrier"):

@@ -2,7 +2,8 @@
 
 Each request gets its own track (admission, every stage's queue wait and work, grammar compile,
 decode); the engine's steps (prefill, decode) get one track of their own. Appending to a list is
-atomic under the GIL, so the engine thread records without a lock.
+atomic under the GIL, so the engine thread records without a lock; an engine process's steps arrive
+with its step outputs and the event loop records them (``perf_counter`` is one clock for both).
 """
 
 from __future__ import annotations
