@@ -16,9 +16,10 @@ import msgspec
 
 from pipeline.api.replies import DONE, Reply, Send, StreamReply, event
 from pipeline.api.responses import TokenText
-from pipeline.core.handle import Choice as AnswerChoice
-from pipeline.core.handle import Delta as AnswerDelta
-from pipeline.core.handle import RequestHandle, Result
+from pipeline.core.choice import Choice as AnswerChoice
+from pipeline.core.choice import Delta as AnswerDelta
+from pipeline.core.choice import Result
+from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import PipelineError
 from pipeline.protocol.request import ChatRequest

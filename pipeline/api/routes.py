@@ -20,7 +20,8 @@ from pipeline.api.completions import answer_completions
 from pipeline.api.openapi import openapi_json
 from pipeline.api.replies import DONE, Reply, Send, StreamReply, error_reply, event, json_reply
 from pipeline.api.responses import ChatStream, TokenText, chat_choice
-from pipeline.core.handle import RequestHandle, Result
+from pipeline.core.choice import Result
+from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import PipelineError
 from pipeline.protocol.request import ChatRequest

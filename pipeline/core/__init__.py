@@ -8,7 +8,8 @@ Below it sit the wire protocol (``pipeline.protocol``) and observability; above 
 from __future__ import annotations
 
 from pipeline.core.answer_gate import AnswerGate
-from pipeline.core.handle import Choice, Delta, RequestHandle, Result
+from pipeline.core.choice import Choice, Delta, Result
+from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.core.staged import Job, StageWorkers
 
