@@ -6,11 +6,8 @@ through the engine process's link (``pipeline.core.engine_link``: the event loop
 never blocking); each engine step's outputs arrive in one message and are handed to their streams
 there, as ``AsyncEngine`` hands them over once per step.
 
-Faults: an engine process that dies (kill -9, out of memory, a native crash), or that makes no progress
-for ``step_timeout_s`` while it holds requests (it is then killed), fails the requests it held with
-``EngineFailed`` (503, retryable); requests submitted while a new one starts get the same; a new
-process (the model loaded again) is started in the background and serves what comes after.
-``status`` says which (``/health`` reports it).
+Starting the engine process, and another after it dies or hangs, is ``EngineSupervisor``'s
+(``pipeline.core.engine_supervisor``), which ``ProcessEngine`` extends.
 
 An add's tensors cross in the engine process's arena (``pipeline.core.engine_arena``): a region is
 taken at ``submit`` and freed when the engine acknowledges having read the add (it copies the tensors
@@ -19,17 +16,15 @@ out then); a fault frees them all, and the new process gets a new arena.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup
 
-from pipeline.core.engine_arena import EngineArena
 from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
+from pipeline.core.engine_supervisor import EngineSupervisor
 from pipeline.core.engine_wire import Alive, BarrierReached, Step, StepTimeline, encode_input
 from pipeline.errors import EngineFailed
 from pipeline.observability.trace import Tracer
@@ -39,15 +34,12 @@ from sampling.timeline import StepTiming
 
 __all__ = ["ProcessEngine"]
 
-logger = logging.getLogger(__name__)
-
-_RESTART_PAUSE_S = 1.0  # between attempts when a new engine process fails to start
 # an add's region lives until the engine has read it (milliseconds): room for a burst of adds of
 # ~10 MB of embeddings each; pages are only allocated where written. Adds that do not fit cross inline.
 ARENA_BYTES = 256 << 20
 
 
-class ProcessEngine:
+class ProcessEngine(EngineSupervisor):
     """The client of one engine process (started again after a failure)."""
 
     def __init__(
@@ -62,98 +54,26 @@ class ProcessEngine:
         arena_bytes: int = ARENA_BYTES,
         tracer: Tracer | None = None,
     ) -> None:
-        self.spec = spec
+        super().__init__(
+            spec,
+            step_timeout_s=step_timeout_s,
+            start_timeout_s=start_timeout_s,
+            retry_after_s=retry_after_s,
+            arena_bytes=arena_bytes,
+        )
         self.tracer = tracer  # records the engine's step spans (the spec asks the process to trace)
-        self.arena_bytes = arena_bytes  # 0: no arena, every add's tensors inline
         self.queue_size = queue_size
-        self.step_timeout_s = step_timeout_s
-        self.start_timeout_s = start_timeout_s
-        self.retry_after_s = retry_after_s
         self._token_table = token_table
-        self.status = "starting"  # "ok", "restarting", "stopped"
-        self._started = anyio.Event()  # set while status is "ok"
-        self.num_failures = 0
-        self._link: EngineLink | None = None
-        self._streams: dict[str, OutputStream] = {}
-        self._barriers: dict[int, anyio.Event] = {}
         self._timelines: dict[int, list[StepTiming]] = {}  # answers to step_timeline(), by barrier token
         self._num_barriers = 0
-        self._num_sent = 0
-        self._num_acked = 0
-        self._arena: EngineArena | None = None
         # adds with tensors: through the arena, and inline (they did not fit it, or it is off)
         self.num_arena_adds = self.num_inline_adds = 0
-        self._progress_at = time.monotonic()
-        self._hung = False
-        self._closing = False
-        self._tg: TaskGroup | None = None
-        self._stats: dict[str, int] = {}
-        self._held: dict[str, int] = {}
         self._prefix: dict[str, int] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The engine process's id (None while none runs)."""
-        return self._link.pid if self._link is not None else None
 
     @property
     def token_table(self) -> list[bytes]:
         """Each token id's bytes (built here once: log-probability entries show them)."""
         return self._token_table()
-
-    # -- lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Start the engine process and wait until its model is loaded. :raises EngineFailed: it could not."""
-        await self._launch()
-        self._set_ok()
-
-    def _set_ok(self) -> None:
-        self.status = "ok"
-        self._started.set()
-
-    async def wait_started(self) -> None:
-        """Return once an engine process serves (at once unless one is starting after a failure)."""
-        await self._started.wait()
-
-    def attach(self, tg: TaskGroup) -> None:
-        """Where the hang watchdog runs and new engine processes are started after a failure."""
-        self._tg = tg
-        tg.start_soon(self._watch)
-
-    async def aclose(self) -> None:
-        """Stop the engine process (a stop message, then SIGKILL after a grace period) and wait for it."""
-        self._closing = True
-        was_serving, self.status = self.status == "ok", "stopped"
-        link, self._link = self._link, None
-        if link is not None:
-            await link.close(kill=not was_serving)  # one still loading its model would read the stop late
-            self._drop_arena(link)
-        self._release_barriers()
-
-    async def _launch(self) -> None:
-        arena = EngineArena.create(self.arena_bytes) if self.arena_bytes else None
-        link = EngineLink(
-            self.spec,
-            on_message=lambda m: self._on_message(link, m),
-            on_lost=lambda: self._on_lost(link),
-            arena=arena,
-        )
-        self._link, self._arena = link, arena
-        self._num_sent = self._num_acked = 0
-        try:
-            await link.open(self.start_timeout_s, self.retry_after_s)
-        except BaseException:
-            self._drop_arena(link)
-            raise
-        logger.info("engine process %s ready", link.pid)
-
-    def _drop_arena(self, link: EngineLink) -> None:
-        """Close ``link``'s arena (its process is gone: the memory is freed when both ends are closed)."""
-        if link.arena is not None:
-            if link.arena is self._arena:
-                self._arena = None
-            link.arena.close()
-            link.arena = None
 
     # -- the pipeline's calls ---------------------------------------------------------------------
     def submit(self, inp: EngineInput) -> OutputStream:
@@ -276,65 +196,3 @@ class ProcessEngine:
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
         deliver(self._streams, outputs)
-
-    def _on_lost(self, link: EngineLink) -> None:
-        if link is not self._link:
-            return
-        self._release_barriers()
-        if self._closing or self.status != "ok":
-            return
-        self.status = "restarting"
-        self._started = anyio.Event()
-        self.num_failures += 1
-        why = f"made no progress for {self.step_timeout_s:g} s" if self._hung else "died"
-        logger.error("engine process %s %s holding %d requests; starting another", link.pid, why, len(self._streams))
-        error = EngineFailed(
-            f"the decode engine process {why} while it held this request; retry",
-            retry_after=self.retry_after_s,
-            stage="engine",
-        )
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.fail(error)
-        if self._arena is not None:  # nobody reads the regions any more; _restart closes the arena
-            self._arena.reset()
-        self._held, self._stats, self._hung = {}, {}, False
-        if self._tg is not None:
-            self._tg.start_soon(self._restart, link)
-
-    def _release_barriers(self) -> None:
-        barriers, self._barriers = self._barriers, {}
-        for reached in barriers.values():
-            reached.set()
-
-    # -- in the background ----------------------------------------------------------------------
-    async def _restart(self, failed: EngineLink) -> None:
-        await failed.close(kill=True)
-        self._drop_arena(failed)
-        while not self._closing:
-            try:
-                await self._launch()
-            except Exception:
-                logger.exception("a new engine process could not start; trying again")
-                await anyio.sleep(_RESTART_PAUSE_S)
-                continue
-            if self._closing:
-                return
-            link = self._link
-            if link is not None and link.is_open:
-                self._set_ok()
-                return
-            if link is not None:  # it died between its Ready and here: reap it and start another
-                await link.close(kill=True)
-                self._drop_arena(link)
-
-    async def _watch(self) -> None:
-        """Kill an engine process that holds requests and has sent nothing for ``step_timeout_s``."""
-        while True:
-            await anyio.sleep(min(1.0, self.step_timeout_s / 4))
-            link = self._link
-            stalled = time.monotonic() - self._progress_at > self.step_timeout_s
-            if self.status == "ok" and self._streams and stalled and link is not None and not self._hung:
-                logger.error("engine process %s made no progress for %.0f s: killed", link.pid, self.step_timeout_s)
-                self._hung = True
-                link.kill()
