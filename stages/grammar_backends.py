@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from stages.empty_schemas import empty_schema_reason
 from stages.grammar_dispatch import is_lark
 from stages.schema_support import check_schema_support
 
-__all__ = ["Compiled", "LLGuidanceCompiler", "XGrammarCompiler", "clean_message"]
+__all__ = ["Compiled", "LLGuidanceCompiler", "XGrammarCompiler", "clean_message", "refuse_without_values"]
 
 # xgrammar's messages carry a timestamp and its C++ source path: "[12:03:55] /workspace/cpp/x.cc:91: "
 _LIBRARY_NOISE = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s*|\S+\.(?:cc|cpp|h|hpp|rs|py):\d+(?::\d+)?:?\s*")
@@ -78,9 +79,11 @@ def _refuse_empty(spec: GrammarSpec) -> GrammarError:
     )
 
 
-def _refuse_schema_without_values(spec: GrammarSpec) -> None:
+def refuse_without_values(spec: GrammarSpec) -> None:
     """:raises GrammarError: the schema provably admits no value (``false``, ``{"not": {}}``, a bare
     ``$ref`` cycle): a backend that ignores the keyword would write text for it."""
+    if spec.value is False:
+        raise GrammarError("the schema is false: no value satisfies it", field=spec.field)
     reason = empty_schema_reason(spec.value)
     if reason is not None:
         raise GrammarError(f"the schema admits no value: {reason}", field=spec.field)
@@ -130,6 +133,19 @@ class XGrammarCompiler:
         check = build_answer_check(spec, grammar_acceptor=xgrammar_acceptor(grammar))
         return Compiled(grammar, check, int(grammar.memory_size_bytes))
 
+    def acceptor(self, spec: GrammarSpec) -> Callable[[str], bool]:
+        """Whether a whole text is a sentence of ``spec``'s grammar (built by a compiler whose vocabulary
+        is empty: milliseconds, no token masks).
+
+        :raises GrammarError: naming ``spec.field``: xgrammar cannot compile it.
+        """
+        try:
+            return xgrammar_acceptor(self._compile(spec))
+        except PipelineError:
+            raise
+        except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError
+            raise _compile_error(spec, exc) from None
+
     def parse(self, spec: GrammarSpec) -> None:
         """Parse an EBNF or Lark grammar or a structural tag without the tokenizer (milliseconds; the
         compile takes seconds and a compile slot), so that a malformed one is refused at once.
@@ -150,9 +166,7 @@ class XGrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         value = spec.value
         if spec.kind == "json_schema":
-            if value is False:
-                raise GrammarError("the schema is false: no value satisfies it", field=spec.field)
-            _refuse_schema_without_values(spec)
+            refuse_without_values(spec)
             if isinstance(value, dict):
                 # keywords xgrammar ignores (stages.schema_support) are held by the answer check
                 check_schema_support(value, strict=spec.strict, field=spec.field)
@@ -210,9 +224,7 @@ class LLGuidanceCompiler:
     def _compile(self, spec: GrammarSpec) -> LLGrammar:
         backend, value, field = self.backend, spec.value, spec.field
         if spec.kind == "json_schema":
-            if value is False:
-                raise GrammarError("the schema is false: no value satisfies it", field=field)
-            _refuse_schema_without_values(spec)
+            refuse_without_values(spec)
             if isinstance(value, dict):
                 check_schema_support(value, strict=spec.strict, field=field)
             if not spec.strict or not isinstance(value, dict):

@@ -25,9 +25,18 @@ import anyio
 from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.core.engine_supervisor import EngineSupervisor
-from pipeline.core.engine_wire import Alive, BarrierReached, Step, StepTimeline, encode_input
+from pipeline.core.engine_wire import (
+    Alive,
+    BarrierReached,
+    GrammarsIdle,
+    GrammarVerdict,
+    Step,
+    StepTimeline,
+    encode_input,
+)
 from pipeline.errors import EngineFailed
 from pipeline.observability.trace import Tracer
+from pipeline.outcome import Outcome
 from sampling.async_engine import Add, EngineQueueFull, OutputStream, deliver
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
@@ -65,6 +74,7 @@ class ProcessEngine(EngineSupervisor):
         self.queue_size = queue_size
         self._token_table = token_table
         self._timelines: dict[int, list[StepTiming]] = {}  # answers to step_timeline(), by barrier token
+        self._replies: dict[int, Outcome[Any]] = {}  # answers to ask(), by token
         self._num_barriers = 0
         # adds with tensors: through the arena, and inline (they did not fit it, or it is off)
         self.num_arena_adds = self.num_inline_adds = 0
@@ -139,6 +149,28 @@ class ProcessEngine(EngineSupervisor):
         await reached.wait()
         return self._timelines.pop(token, [])
 
+    def ask(self, *command: Any) -> tuple[int, Outcome[Any]]:
+        """Send ``(command[0], token, *command[1:])``; the outcome gets the engine's answer of that
+        token (``pipeline.core.remote_grammar``), or ``EngineFailed`` if the engine process dies first.
+
+        :raises EngineFailed: the engine process is being started again after a failure.
+        """
+        link = self._link
+        if self.status != "ok" or link is None or not link.is_open:
+            raise EngineFailed(
+                "the decode engine is restarting after a failure; retry", retry_after=self.retry_after_s, stage="engine"
+            )
+        self._num_barriers += 1
+        token = self._num_barriers
+        reply = self._replies[token] = Outcome()
+        link.write((command[0], token, *command[1:]))
+        self._num_sent += 1
+        return token, reply
+
+    def forget(self, token: int) -> None:
+        """Drop the answer of ``ask``'s ``token`` (its asker gave up waiting)."""
+        self._replies.pop(token, None)
+
     @property
     def num_running(self) -> int:
         return len(self._streams)
@@ -150,6 +182,7 @@ class ProcessEngine(EngineSupervisor):
             "engine_streams": len(self._streams),
             "kv_blocks_used": self._held.get("kv_blocks_used", 0),
             "arena_regions": self._arena.num_regions if self._arena is not None else 0,
+            "engine_replies": len(self._replies),  # grammar verdicts awaited
         }
 
     def stats(self) -> dict[str, int]:
@@ -183,6 +216,10 @@ class ProcessEngine(EngineSupervisor):
                 reached.set()
         elif isinstance(message, Alive):
             self._acked(message.acked)
+        elif isinstance(message, GrammarVerdict | GrammarsIdle):
+            reply = self._replies.pop(message.token, None)
+            if reply is not None:
+                reply.set_result(message)
 
     def _acked(self, acked: int) -> None:
         """The engine has read ``acked`` commands: the adds among them have their tensors copied out."""
@@ -196,3 +233,9 @@ class ProcessEngine(EngineSupervisor):
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
         deliver(self._streams, outputs)
+
+    def _release_barriers(self) -> None:
+        super()._release_barriers()
+        replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            reply.fail(EngineFailed("the decode engine process stopped; retry", retry_after=self.retry_after_s))

@@ -1,97 +1,113 @@
-"""The engine process's grammars: compiled there from the spec the serving process validated, cached.
+"""The engine process's grammars: the one place a grammar is compiled in ``engine_mode="process"``.
 
-The serving process compiles every spec too (its answer check, and the 400 for a bad spec before any
-decode work), so what arrives here compiles; a compiled grammar is not sent because serializing one
-costs 3-20x its compile. Compiles run on threads (both backends release the GIL), one job per spec
-however many requests wait for it; the cache is bounded by the compilers' own size estimates.
+The serving process sends a new spec at admission (``("grammar", token, spec)``): the engine process's
+``GrammarStage`` compiles it (the backend policy, the llguidance stand-in, single flight, the compile
+limits and the cache bounds are the stage's, as in thread mode) while the request's preparation runs,
+and its verdict goes back (the backend, or the typed error for the serving process's 400). An add finds
+its grammar in the same cache, or waits for its compile (the entry was evicted, or a new engine process
+started since). A compiled grammar is not sent: serializing one costs 3-20x its compile.
+
+The stage runs on an event loop of its own (a thread, ``anyio.from_thread``); its compiles on worker
+threads (both backends release the GIL), so the decode loop only hands specs over and reads results.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import contextlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
 from pipeline.config import PipelineConfig
+from pipeline.core.engine_wire import GrammarsIdle, GrammarVerdict
+from pipeline.core.stage_factory import build_grammar_stage
+from pipeline.errors import PipelineError, UnsupportedSchemaError
 from pipeline.types import GrammarSpec
-from sampling.llguidance_backend import LLGuidanceBackend
-from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
-from stages.native_calls import run_on_large_stack
+from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint
 
-__all__ = ["EngineGrammars"]
+__all__ = ["EngineGrammars", "verdict_of"]
+
+
+def verdict_of(token: int, future: Future[CompiledConstraint], stage: GrammarStage) -> GrammarVerdict:
+    """The message that answers grammar command ``token`` once its compile ``future`` is done."""
+    stats = stage.stats
+    figures: dict[str, Any] = {"compiles": dict(stats.backends), "counters": stage.counters()}
+    error = future.exception()
+    if error is None:
+        c = future.result()
+        return GrammarVerdict(token, c.backend, c.reason, c.is_stand_in, **figures)
+    if not isinstance(error, PipelineError):
+        error = PipelineError(f"internal error ({type(error).__name__})")
+    keywords = error.keywords if isinstance(error, UnsupportedSchemaError) else []
+    return GrammarVerdict(token, error=(type(error).__name__, error.message, error.field, keywords), **figures)
 
 
 class EngineGrammars:
-    """Compiled grammars by (backend, spec key); ``on_done`` is called (on a compile thread) as each ends."""
+    """A ``GrammarStage`` on its own event loop thread; ``send`` is called from that thread with each
+    verdict, ``on_done`` when an add's compile has ended (the decode loop may be asleep in select)."""
 
-    def __init__(self, config: PipelineConfig, checkpoint: Checkpoint, on_done: Callable[[], None]) -> None:
-        self._config = config
-        self._checkpoint = checkpoint
+    def __init__(
+        self,
+        config: PipelineConfig,
+        checkpoint: Checkpoint,
+        send: Callable[[Any], None],
+        on_done: Callable[[], None],
+    ) -> None:
+        self.stage = build_grammar_stage(config, checkpoint)
+        # the process exits when it stops: no compile thread must hold that up
+        self.stage.abandon_on_shutdown = True
+        self._send = send
         self._on_done = on_done
-        self._compilers: dict[str, Any] = {}
-        self._compilers_lock = threading.Lock()  # built on first use, on a compile thread
-        self._executor = ThreadPoolExecutor(config.grammar_max_concurrent_compiles, thread_name_prefix="compile")
-        self._cache: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
-        self._cache_bytes = 0
-        self._flights: dict[tuple[str, str], Future[Compiled]] = {}
+        self._exit = contextlib.ExitStack()
+        self._portal: BlockingPortal = self._exit.enter_context(start_blocking_portal())
+        self._stop: anyio.Event | None = None
+        self._needed: anyio.Event | None = None
+        self._host, _ = self._portal.start_task(self._run)
 
-    def get(self, backend: str, spec: GrammarSpec) -> Any | Future[Compiled]:
-        """The compiled grammar, or the future of its compile (the caller waits for ``on_done``)."""
-        key = (backend, spec.key)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            return cached.grammar
-        flight = self._start(key, spec)
-        fast = self._cache.get(("llguidance", spec.key)) if backend == "xgrammar" else None
-        if fast is not None:
-            # the serving process once served this spec with llguidance while its xgrammar compile
-            # ran (over the budget: seconds): here too, until ours has finished
-            return fast.grammar
-        return flight
+    async def _run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._stop = anyio.Event()
+        # set from the start: no request waits for an xgrammar compile llguidance can stand in for
+        # (the serving process's preparation runs meanwhile; see GrammarStage.compile)
+        self._needed = anyio.Event()
+        self._needed.set()
+        async with anyio.create_task_group() as tg:
+            self.stage.attach(tg)
+            task_status.started()
+            await self._stop.wait()
+            tg.cancel_scope.cancel()
 
-    def _start(self, key: tuple[str, str], spec: GrammarSpec) -> Future[Compiled]:
-        flight = self._flights.get(key)
-        if flight is None:
-            flight = self._flights[key] = self._executor.submit(self._compile, key[0], spec)
-            flight.add_done_callback(lambda _: self._on_done())
-        return flight
+    def _compile(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
+        return self._portal.start_task_soon(lambda: self.stage.compile(spec, needed=self._needed))
 
-    def collect(self) -> None:
-        """Cache the compiles that have finished (failed ones are dropped: their waiters hold them)."""
-        for key, flight in list(self._flights.items()):
-            if flight.done():
-                del self._flights[key]
-                if not flight.cancelled() and flight.exception() is None:
-                    self._keep(key, flight.result())
+    def verdict(self, token: int, spec: GrammarSpec) -> None:
+        """Compile ``spec`` (or find it cached) and send its verdict."""
+        self._compile(spec).add_done_callback(lambda f: self._send(verdict_of(token, f, self.stage)))
 
-    def _keep(self, key: tuple[str, str], compiled: Compiled) -> None:
-        self._cache[key] = compiled
-        self._cache_bytes += compiled.nbytes
-        while self._cache_bytes > self._config.grammar_cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.nbytes
+    def idle(self, token: int) -> None:
+        """Send ``GrammarsIdle(token)`` once no compile runs."""
+        future = self._portal.start_task_soon(self.stage.wait_idle)
+        future.add_done_callback(lambda _: self._send(GrammarsIdle(token)))
 
-    def _compile(self, backend: str, spec: GrammarSpec) -> Compiled:
-        compiler = self._compiler(backend)
-        return run_on_large_stack(lambda: compiler.compile(spec))
+    def cached(self, spec: GrammarSpec) -> Any | None:
+        """The compiled grammar of ``spec`` if the stage's cache holds it (one dictionary read from the
+        decode loop's thread: atomic under the GIL, while the stage's loop may store beside it)."""
+        entry = self.stage.lookup(spec)
+        return entry.grammar if isinstance(entry, CompiledConstraint) else None
 
-    def _compiler(self, backend: str) -> Any:
-        with self._compilers_lock:
-            if backend not in self._compilers:
-                info = self._checkpoint.tokenizer_info
-                if backend == "xgrammar":
-                    self._compilers[backend] = XGrammarCompiler(info, any_whitespace=self._config.json_any_whitespace)
-                else:
-                    stop_ids = [int(t) for t in info.stop_token_ids]
-                    llguidance = LLGuidanceBackend(
-                        self._checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=stop_ids
-                    )
-                    self._compilers[backend] = LLGuidanceCompiler(llguidance)
-            return self._compilers[backend]
+    def get(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
+        """The compiled constraint of an add's spec (a cache hit: done within microseconds)."""
+        future = self._compile(spec)
+        future.add_done_callback(lambda _: self._on_done())
+        return future
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the stage's loop (compile threads still running are left to the process's exit)."""
+        with contextlib.suppress(Exception):
+            if self._stop is not None:
+                self._portal.call(self._stop.set)
+            self._host.result(timeout=10)
+        self._exit.close()

@@ -8,11 +8,14 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     (parent pid, EngineProcessSpec,          parent-death signal, attach the arena
      the engine arena's descriptor) ─────▶   (inherited), load the model
                                         ◀──  Ready(pid)   (or Fatal(message), then exit)
-    ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, compile its grammar
-                                             if new (threads), then add
+    ("grammar", token, spec) ────────────▶ ◀── GrammarVerdict(token, backend or error)   (at admission:
+                                             the compile overlaps preparation; ``engine_grammars``)
+    ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, find its grammar
+                                             (compiled, or compiling), then add
     ("abort", request id) ───────────────▶   freed before the next step
     ("barrier", token) ──────────────────▶ ◀── BarrierReached(token, figures)
     ("timeline", token, since) ──────────▶ ◀── StepTimeline(token, steps)   (record_step_timeline)
+    ("grammars_idle", token) ────────────▶ ◀── GrammarsIdle(token)   once no compile runs
                                         ◀──  Step(outputs of all sequences, figures, traced step spans)
                                              once per step
                                         ◀──  Alive, after a second without a message
@@ -30,6 +33,7 @@ import pickle
 import select
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -124,7 +128,8 @@ class EngineServer:
         self.spans = spans
         self._reader = FrameReader()
         self._wake_r, self._wake_w = os.pipe()
-        self.grammars = EngineGrammars(spec.config, checkpoint, on_done=self._wake)
+        self._send_lock = threading.Lock()  # verdicts are sent from the grammar stage's thread
+        self.grammars = EngineGrammars(spec.config, checkpoint, send=self.send, on_done=self._wake)
         self._waiting: dict[str, _Waiting] = {}
         self._num_read = 0
         self._num_acked = 0  # the count of commands read that the serving process was last told
@@ -134,7 +139,9 @@ class EngineServer:
         os.write(self._wake_w, b".")  # from a compile thread: the loop may be asleep in select
 
     def send(self, message: Any) -> None:
-        self.sock.sendall(frame(ENCODER.encode(message)))
+        data = frame(ENCODER.encode(message))
+        with self._send_lock:
+            self.sock.sendall(data)
         self._sent_at = time.monotonic()
         if isinstance(message, Step | BarrierReached | Alive):
             self._num_acked = message.acked
@@ -192,6 +199,10 @@ class EngineServer:
                 self.engine.abort(request_id)  # a no-op for a request that finished
         elif kind == "barrier":
             self.send(BarrierReached(command[1], self._num_read, *self._figures()))
+        elif kind == "grammar":
+            self.grammars.verdict(command[1], command[2])
+        elif kind == "grammars_idle":
+            self.grammars.idle(command[1])
         elif kind == "timeline":
             since = command[2]
             self.send(StepTimeline(command[1], [t for t in self.engine.timeline if t.start >= since]))
@@ -203,18 +214,17 @@ class EngineServer:
         if inp.grammar_source is None:
             self.engine.add(inp)
             return
-        backend, spec = inp.grammar_source
-        grammar = self.grammars.get(backend, spec)
-        if isinstance(grammar, Future):
-            self._waiting[inp.request_id] = _Waiting(inp, grammar)
-        else:
-            inp.grammar = grammar
-            self.engine.add(inp)
+        _, spec = inp.grammar_source  # the backend is the cache's: xgrammar's once it replaced a stand-in
+        grammar = self.grammars.cached(spec)  # compiled since its verdict, almost always
+        if grammar is None:
+            self._waiting[inp.request_id] = _Waiting(inp, self.grammars.get(spec))
+            return
+        inp.grammar = grammar
+        self.engine.add(inp)
 
     def _admit_compiled(self) -> list[SeqOutput]:
         """Add the requests whose grammar has compiled; the outputs of those whose compile failed."""
         failed: list[SeqOutput] = []
-        self.grammars.collect()
         for request_id, waiting in list(self._waiting.items()):
             if not waiting.flight.done():
                 continue
@@ -222,7 +232,7 @@ class EngineServer:
             inp = waiting.inp
             try:
                 inp.grammar = waiting.flight.result().grammar
-            except Exception as exc:  # it compiled in the serving process: a fault of this one
+            except Exception as exc:  # its verdict was a success: evicted since and now refused (a fault)
                 message = f"the engine process could not compile the request's grammar: {exc}"
                 failed += [
                     SeqOutput(request_id, i, [], "", finish_reason="error", error=message)

@@ -10,8 +10,9 @@ memory (``pipeline.core.engine_arena``), or as raw bytes in the frame when they 
 0.7 ms per MB, one way, copies included). ZeroMQ, which vLLM and SGLang use, is not installed here and
 would add nothing to a socket pair between two processes of one host.
 
-Compiled grammars never cross (serializing one costs 3-20x its compile): an ``Add`` carries the spec
-and the backend the serving process chose, and the engine process compiles and caches it itself.
+Compiled grammars never cross (serializing one costs 3-20x its compile): the serving process sends a
+new spec at admission (``("grammar", token, spec)``), the engine process compiles and caches it and
+answers with a ``GrammarVerdict``; an ``Add`` carries the spec, found there in the cache.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ __all__ = [
     "BarrierReached",
     "Fatal",
     "FrameReader",
+    "GrammarVerdict",
+    "GrammarsIdle",
     "Ready",
     "Step",
     "StepTimeline",
@@ -126,7 +129,26 @@ class Alive(msgspec.Struct, tag="alive"):
     acked: int
 
 
-FromEngine = Ready | Fatal | Step | BarrierReached | StepTimeline | Alive
+class GrammarVerdict(msgspec.Struct, tag="verdict"):
+    """The answer to ``("grammar", token, spec)``: which backend compiled the spec (now cached there),
+    or the typed error that refused it; and the engine's compile counters after it."""
+
+    token: int
+    backend: str = ""
+    reason: str = ""
+    is_stand_in: bool = False
+    error: tuple[str, str, str | None, list[str]] | None = None  # class name, message, field, keywords
+    compiles: dict[str, int] = {}  # compiles by "backend: reason"
+    counters: dict[str, float] = {}  # the grammar stage's errors, timeouts, compile seconds
+
+
+class GrammarsIdle(msgspec.Struct, tag="grammars_idle"):
+    """The answer to ``("grammars_idle", token)``: no compile is running in the engine process."""
+
+    token: int
+
+
+FromEngine = Ready | Fatal | Step | BarrierReached | StepTimeline | Alive | GrammarVerdict | GrammarsIdle
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(FromEngine)
 
@@ -192,5 +214,5 @@ def decode_input(add: AddCommand, arena: EngineArena | None = None) -> EngineInp
 
 def encode_command(command: tuple[Any, ...]) -> bytes:
     """One command as a frame: ``("add", AddCommand)``, ``("abort", id)``, ``("barrier", token)``,
-    ``("timeline", token, since)``, ``("stop",)``."""
+    ``("timeline", token, since)``, ``("grammar", token, spec)``, ``("grammars_idle", token)``, ``("stop",)``."""
     return frame(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))

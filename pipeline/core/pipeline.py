@@ -16,9 +16,11 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
+from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.engine_factory import Engine, build_engine
 from pipeline.core.handle import RequestHandle
 from pipeline.core.preparation import Preparation, PreparedRequest
+from pipeline.core.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
 from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
 from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.core.staged import Job
@@ -72,7 +74,7 @@ class Pipeline:
         self.state = PipelineState.NEW
         self._checkpoint: Checkpoint | None = None
         self._encoder: VisionEncoder | None = None
-        self._grammar: GrammarStage | None = None
+        self._grammar: GrammarStage | RemoteGrammarStage | None = None
         self._preparation: Preparation | None = None
         self._engine: Engine | None = None
         self._tool_format: ToolFormat | None = None  # how the model writes tool calls: its family's, fixed at start
@@ -140,9 +142,12 @@ class Pipeline:
             fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
         self._tool_format = fmt
         self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
-        self._grammar = build_grammar_stage(cfg, ck)
         if self.with_engine:
             self._engine = build_engine(ck, cfg, device=device, tracer=self.tracer)
+        if isinstance(self._engine, ProcessEngine):
+            self._grammar = build_remote_grammar_stage(cfg, ck, self._engine)  # the engine process compiles
+        else:
+            self._grammar = build_grammar_stage(cfg, ck)
 
     async def __aenter__(self) -> Pipeline:
         if self.state is not PipelineState.NEW:

@@ -18,6 +18,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.call_check import with_calls_check
 from pipeline.core.engine_factory import check_fits
 from pipeline.core.image_steps import ImageSteps, RequestImages
+from pipeline.core.remote_grammar import RemoteGrammarStage
 from pipeline.core.stage_factory import (
     build_decode_stage,
     build_encoder_cache,
@@ -30,7 +31,7 @@ from pipeline.core.staged import Job, StageWorkers
 from pipeline.errors import PipelineError
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
-from pipeline.outcome import Outcome, first_of
+from pipeline.outcome import Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
@@ -55,10 +56,8 @@ class PreparedRequest:
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
     mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
-    # set once the rest of preparation is short (no image, or every image in the encoder cache) or
-    # done: from then on the request waits for no xgrammar compile that llguidance can stand in for
+    # set at admission: the request waits for no xgrammar compile that llguidance can stand in for
     grammar_needed: anyio.Event = field(default_factory=anyio.Event)
-    images_hashed: anyio.Event = field(default_factory=anyio.Event)  # also set when the fetch failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +77,7 @@ class Preparation:
         config: PipelineConfig,
         checkpoint: Checkpoint,
         encoder: VisionEncoder | None,
-        grammar: GrammarStage,
+        grammar: GrammarStage | RemoteGrammarStage,
         *,
         metrics: Metrics,
         tracer: Tracer | None = None,
@@ -125,8 +124,11 @@ class Preparation:
         assert self._tg is not None, "start() first"
         self.stages[0].offer(job)
         if job.payload.request.grammar is not None:
-            if not job.payload.request.images:
-                job.payload.grammar_needed.set()  # text only: nothing will hide the compile
+            # llguidance serves a new spec's first requests while xgrammar compiles in the background
+            # (at the lowest priority) for later ones, whatever the preparation: measured with
+            # ``bench compile``, waiting for xgrammar behind a distinct image's preparation cost more
+            # (its compile competes with decode and encode for 2 cores) than llguidance's masks
+            job.payload.grammar_needed.set()
             self._tg.start_soon(self._compile_grammar, job)
         else:
             job.payload.grammar.set_result(None)
@@ -199,13 +201,7 @@ class Preparation:
     # -- the stage steps ------------------------------------------------------------------------
     async def _fetch_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
-        try:
-            await self.images.fetch_step(prep.request.images, prep.images, job.request_id)
-            cache = self.encoder_cache
-            if cache is not None and all(cache.holds(h) for h in prep.images.hashes):
-                prep.grammar_needed.set()  # no image to decode or encode: nothing will hide the compile
-        finally:
-            prep.images_hashed.set()
+        await self.images.fetch_step(prep.request.images, prep.images, job.request_id)
 
     async def _decode_step(self, job: Job[PreparedRequest]) -> None:
         prep = job.payload
@@ -239,12 +235,6 @@ class Preparation:
         assert spec is not None
         started = time.perf_counter()
         try:
-            if prep.request.images:
-                # whether the images are cached decides whether anyone waits for xgrammar's compile
-                # (and so its priority): a fetch of inline data takes milliseconds, decode and encode
-                # still hide the compile
-                await first_of(prep.images_hashed.wait, job.wait)
-                started = time.perf_counter()
             constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=prep.grammar_needed)
             prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:

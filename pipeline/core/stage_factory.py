@@ -35,34 +35,45 @@ __all__ = [
     "build_template_stage",
     "build_vision_stage",
     "encoder_cache_namespace",
+    "grammar_limits",
+    "llguidance_backend",
 ]
 
 
 def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> GrammarStage:
     """The grammar stage with both backends for ``checkpoint``'s tokenizer (seconds: run it off the loop)."""
-    info = checkpoint.tokenizer_info
-    llguidance = LLGuidanceBackend(
-        checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=[int(t) for t in info.stop_token_ids]
-    )
     return GrammarStage(
-        XGrammarCompiler(info, any_whitespace=config.json_any_whitespace),
-        LLGuidanceCompiler(llguidance),
+        XGrammarCompiler(checkpoint.tokenizer_info, any_whitespace=config.json_any_whitespace),
+        LLGuidanceCompiler(llguidance_backend(checkpoint)),
         timeout_s=config.grammar_compile_timeout_s,
         cache_bytes=config.grammar_cache_bytes,
         max_concurrent=config.grammar_max_concurrent_compiles,
         xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
         abandon_on_shutdown=config.grammar_abandon_on_shutdown,
-        limits=GrammarLimits(
-            max_bytes=config.grammar_max_bytes,
-            max_schema_nodes=config.grammar_max_schema_nodes,
-            max_schema_depth=config.grammar_max_schema_depth,
-            max_enum_values=config.grammar_max_enum_values,
-            max_literal_bytes=config.grammar_max_literal_bytes,
-            max_grammar_rules=config.grammar_max_rules,
-            max_regex_bytes=config.grammar_max_regex_bytes,
-            max_nesting=config.grammar_max_nesting,
-        ),
+        limits=grammar_limits(config),
+    )
+
+
+def grammar_limits(config: PipelineConfig) -> GrammarLimits:
+    """What one constraint may hold, from ``config``'s ``grammar_*`` bounds."""
+    return GrammarLimits(
+        max_bytes=config.grammar_max_bytes,
+        max_schema_nodes=config.grammar_max_schema_nodes,
+        max_schema_depth=config.grammar_max_schema_depth,
+        max_enum_values=config.grammar_max_enum_values,
+        max_literal_bytes=config.grammar_max_literal_bytes,
+        max_grammar_rules=config.grammar_max_rules,
+        max_regex_bytes=config.grammar_max_regex_bytes,
+        max_nesting=config.grammar_max_nesting,
+    )
+
+
+def llguidance_backend(checkpoint: Checkpoint) -> LLGuidanceBackend:
+    """llguidance's backend for ``checkpoint``'s tokenizer."""
+    info = checkpoint.tokenizer_info
+    return LLGuidanceBackend(
+        checkpoint.tokenizer, vocab_size=info.vocab_size, stop_token_ids=[int(t) for t in info.stop_token_ids]
     )
 
 

@@ -1,0 +1,226 @@
+"""RemoteGrammarStage: the serving process's grammar stage when the engine runs in its own process.
+
+The engine process compiles (``pipeline.core.engine_grammars``): it matches the grammars, and a compiled
+grammar costs 3-20x its compile to send. Here, at admission, a new spec gets the refusals every compile
+makes first (``stages.grammar_checks.precheck``: limits, schemas without values, unsupported keywords),
+then crosses as a hint, so the engine's compile overlaps the request's preparation; the answer check
+(``stages.grammar_checks.CheckBuilder``) is built here meanwhile. ``compile`` returns once the engine's
+verdict is in: a spec the engine refused is the same typed 400, naming its field, as in thread mode,
+before any decode work. Verdicts and checks are cached here by spec (bounded like the engine's cache);
+a stand-in's verdict is asked again until xgrammar's compile has replaced it there.
+
+It answers the calls the pipeline makes of a ``GrammarStage`` (``compile``, ``wait_idle``, counters,
+limiters); ``stats.backends`` and the compile counters are the engine's, as of its last verdict.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from pipeline import errors
+from pipeline.config import PipelineConfig
+from pipeline.core.engine_client import ProcessEngine
+from pipeline.core.engine_wire import GrammarVerdict
+from pipeline.core.stage_factory import grammar_limits, llguidance_backend
+from pipeline.errors import GrammarError, PipelineError
+from pipeline.types import GrammarSpec
+from stages.answer_check import AnswerCheck
+from stages.grammar import CompiledConstraint, GrammarStats
+from stages.grammar_cache import GrammarCache
+from stages.grammar_checks import CheckBuilder, precheck
+from stages.grammar_limits import GrammarLimits, check_size
+from vision.checkpoint import Checkpoint
+
+__all__ = ["RemoteGrammarStage", "build_remote_grammar_stage"]
+
+_CHECK_BYTES = 16 * 1024  # a cached check's nominal size (a validator; the spec's key is counted too)
+
+
+def _error(verdict: GrammarVerdict) -> PipelineError:
+    assert verdict.error is not None
+    name, message, field, keywords = verdict.error
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, PipelineError)):
+        return PipelineError(message, field=field)
+    if cls is errors.UnsupportedSchemaError:
+        return errors.UnsupportedSchemaError(message, keywords=keywords, field=field)
+    return cls(message, field=field)
+
+
+class RemoteGrammarStage:
+    name = "grammar"
+
+    def __init__(
+        self,
+        engine: ProcessEngine,
+        checks: CheckBuilder,
+        *,
+        cache_bytes: int,
+        max_concurrent: int,
+        limits: GrammarLimits | None = None,
+    ) -> None:
+        self.engine = engine
+        self.checks = checks
+        self.limits = limits if limits is not None else GrammarLimits()
+        # prechecks and check builds (milliseconds); "grammar" and "grammar_fast" name the same limiter
+        self.limiter = self.fast_limiter = anyio.CapacityLimiter(max_concurrent)
+        self.stats = GrammarStats()
+        self._counters: dict[str, float] = {}
+        self._cache: GrammarCache[CompiledConstraint] = GrammarCache(cache_bytes)
+        self._waiting = 0  # compiles whose verdict is awaited
+        self._idle: anyio.Event | None = None  # set when _waiting returns to 0
+
+    def attach(self, tg: TaskGroup) -> None:
+        """Nothing runs in the pipeline's task group here (the engine process compiles)."""
+
+    @property
+    def num_compiling(self) -> int:
+        """Specs whose engine verdict is awaited."""
+        return self._waiting
+
+    def lookup(self, spec: GrammarSpec) -> CompiledConstraint | PipelineError | None:
+        """The cached verdict (or refusal) of ``spec``, without asking the engine."""
+        entry = self._cache.get(spec.key)
+        assert entry is None or isinstance(entry, CompiledConstraint | PipelineError)
+        return entry
+
+    def counters(self) -> dict[str, float]:
+        """Compile errors, timeouts, seconds (the engine's), and verdicts awaited here (for metrics)."""
+        return {
+            "errors": self.stats.errors + self._counters.get("errors", 0),
+            "timeouts": self._counters.get("timeouts", 0),
+            "compiling": self._waiting,
+            "compile_seconds": self._counters.get("compile_seconds", 0.0),
+        }
+
+    def cache_counters(self) -> dict[str, float]:
+        """This process's cache of verdicts and checks (for metrics)."""
+        return {
+            "hits": self.stats.hits,
+            "misses": self.stats.misses,
+            "evictions": self._cache.evictions,
+            "bytes": self._cache.num_bytes,
+            "bytes_bound": self._cache.max_bytes,
+            "entries": len(self._cache),
+        }
+
+    async def wait_idle(self) -> None:
+        """Return once no compile runs, here or in the engine process."""
+        while self._waiting:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
+        if self.engine.status == "ok":
+            _, reply = self.engine.ask("grammars_idle")
+            await reply.wait()
+
+    async def compile(
+        self, spec: GrammarSpec, *, request_id: str | None = None, needed: anyio.Event | None = None
+    ) -> CompiledConstraint:
+        """The engine's verdict on ``spec`` and the check of its answers (``needed``: the engine's
+        stage serves a new spec with llguidance while xgrammar compiles, whatever the preparation).
+
+        :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
+        :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
+        :raises EngineFailed: (503) the engine process is starting again after a failure.
+        """
+        key = spec.key
+        cached = self._cache.hit(key)
+        if cached is not None:
+            self.stats.hits += 1
+            assert isinstance(cached, CompiledConstraint | PipelineError)
+            if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
+                cached = await self._ask(spec, cached.check, request_id)  # replaced there by now?
+            return self._unwrap(cached, request_id)
+        self.stats.misses += 1
+        self._waiting += 1
+        try:
+            result = await self._first_compile(spec, request_id)
+        finally:
+            self._waiting -= 1
+            if not self._waiting and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+        return self._unwrap(result, request_id)
+
+    async def _first_compile(self, spec: GrammarSpec, request_id: str | None) -> CompiledConstraint | PipelineError:
+        try:
+            check_size(spec, spec.key, self.limits)
+            await anyio.to_thread.run_sync(precheck, spec, self.limits, limiter=self.limiter)
+        except GrammarError as exc:
+            self.stats.errors += 1
+            self._cache.store(spec.key, exc)
+            return exc
+        token, reply = self.engine.ask("grammar", spec)  # the engine compiles while the check is built
+        check: AnswerCheck | GrammarError
+        try:
+            try:
+                check = await anyio.to_thread.run_sync(self.checks.build, spec, limiter=self.limiter)
+            except GrammarError as exc:
+                check = exc
+            await reply.wait()
+        except BaseException:
+            self.engine.forget(token)
+            raise
+        return self._settle(spec, reply.get(), check)
+
+    async def _ask(self, spec: GrammarSpec, check: AnswerCheck, request_id: str | None) -> Any:
+        token, reply = self.engine.ask("grammar", spec)
+        try:
+            await reply.wait()
+        except BaseException:
+            self.engine.forget(token)
+            raise
+        return self._settle(spec, reply.get(), check)
+
+    def _settle(
+        self, spec: GrammarSpec, verdict: GrammarVerdict, check: AnswerCheck | GrammarError
+    ) -> CompiledConstraint | PipelineError:
+        """Cache and return the verdict: the engine's refusal first (the compile refuses before a check
+        is built), then the check's."""
+        self.stats.backends.clear()
+        self.stats.backends.update(verdict.compiles)
+        self._counters = verdict.counters
+        result: CompiledConstraint | PipelineError
+        if verdict.error is not None:
+            result = _error(verdict)  # counted there
+        elif isinstance(check, GrammarError):
+            result = check
+            self.stats.errors += 1
+        else:
+            nbytes = _CHECK_BYTES + len(spec.key)
+            result = CompiledConstraint(
+                spec.kind, verdict.backend, verdict.reason, None, check, nbytes, verdict.is_stand_in
+            )
+        if not (isinstance(result, errors.DeadlineExceeded) or _is_internal(result)):
+            self._cache.store(spec.key, result)  # a timeout or a fault of the engine may not recur
+        return result
+
+    def _unwrap(self, result: CompiledConstraint | PipelineError, request_id: str | None) -> CompiledConstraint:
+        if isinstance(result, PipelineError):
+            error = copy.copy(result)  # one error object per request: each carries its own request id
+            error.stage, error.request_id = self.name, request_id
+            raise error
+        return result
+
+
+def _is_internal(result: CompiledConstraint | PipelineError) -> bool:
+    return type(result) is PipelineError
+
+
+def build_remote_grammar_stage(
+    config: PipelineConfig, checkpoint: Checkpoint, engine: ProcessEngine
+) -> RemoteGrammarStage:
+    """The grammar stage of a serving process whose engine (``engine``) compiles."""
+    checks = CheckBuilder(any_whitespace=config.json_any_whitespace, llguidance=lambda: llguidance_backend(checkpoint))
+    return RemoteGrammarStage(
+        engine,
+        checks,
+        cache_bytes=config.grammar_cache_bytes,
+        max_concurrent=config.grammar_max_concurrent_compiles,
+        limits=grammar_limits(config),
+    )
