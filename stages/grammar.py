@@ -325,10 +325,13 @@ class GrammarStage:
     ) -> Outcome[CompiledConstraint]:
         """llguidance's compile of a spec meant for xgrammar; where llguidance fails, ``xgrammar``'s
         outcome (its job, started now if None) decides when llguidance's refusal may not be final."""
+        # decided before llguidance answers, so which refusal a client gets never depends on which
+        # compile ended first
+        xgrammar_failed = xgrammar is not None and xgrammar.is_done
         fallback = await self._await("llguidance", reason, spec)
         if fallback.error is None:
             return fallback
-        if xgrammar is not None and xgrammar.is_done:
+        if xgrammar is not None and xgrammar_failed:
             return xgrammar  # both failed: the default backend's error is the one reported
         # what llguidance cannot translate, or refuses to enforce, xgrammar may still compile
         if is_dialect or isinstance(fallback.error, UnsupportedSchemaError):

@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preparations", default=",".join(PREPS), help="comma-separated: text, cached, distinct (the request's images)"
     )
+    parser.add_argument("--engine-modes", default="thread,process", help="engine modes, comma-separated")
     parser.add_argument("--out", default=None)
 
 
@@ -90,7 +91,7 @@ def _grammar(kind: str, i: int) -> dict[str, Any] | None:
 
 
 async def _measure(
-    backend: str, repeats: int, preps: list[str], data_urls: list[str], args: argparse.Namespace
+    backend: str, mode: str, repeats: int, preps: list[str], data_urls: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
     """TTFT of each preparation and kind of request (seconds), the backend that served each, and
     cache hits (ms).
@@ -108,14 +109,15 @@ async def _measure(
     def url(prep: str) -> str | None:
         return None if prep == "text" else cached_url if prep == "cached" else next(images)
 
-    async with Pipeline(PipelineConfig(grammar_backend=backend), tracer=tracer_for(args)) as pipe:
+    config = PipelineConfig(grammar_backend=backend, engine_mode=mode)
+    async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         grammar = pipe.preparation.grammar
         await (await pipe.submit(_body(cached_url, None))).result()  # its embeddings now cached
         for p, prep in enumerate(preps):  # warm-up: each preparation, the first compile of each backend
             for kind in KINDS:
                 await (await pipe.submit(_body(url(prep), _grammar(kind, offset - 1 - p)))).result()
                 await grammar.wait_idle()
-        for i in tqdm(range(repeats), desc=f"compile {backend}", file=sys.stderr):
+        for i in tqdm(range(repeats), desc=f"compile {backend}, engine {mode}", file=sys.stderr):
             for p, prep in enumerate(preps):
                 index = offset + len(PREPS) * i + p
                 for kind in KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]:
@@ -133,10 +135,11 @@ async def _measure(
     return {"ttft": ttft, "served": served, "hit_ms": hits}
 
 
-def _summary(backend: str, prep: str, run: dict[str, Any]) -> dict[str, Any]:
+def _summary(backend: str, mode: str, prep: str, run: dict[str, Any]) -> dict[str, Any]:
     ttft, hits = run["ttft"][prep], run["hit_ms"]
     out: dict[str, Any] = {
         "backend": backend,
+        "engine_mode": mode,
         "preparation": prep,
         "ttft_ms_none": round(median(ttft["none"]) * 1000, 2),
     }
@@ -167,8 +170,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load = [load_average()]
     jpegs = DistinctImages().jpegs(0, 1 + len(KINDS) * (1 + args.repeats))
     data_urls = [jpeg_data_url(j) for j in jpegs]
-    runs = {backend: anyio.run(_measure, backend, args.repeats, preps, data_urls, args) for backend in backends}
-    results = [_summary(backend, prep, r) for backend, r in runs.items() for prep in preps]
+    modes = [m.strip() for m in args.engine_modes.split(",") if m.strip()]
+    runs = {
+        (backend, mode): anyio.run(_measure, backend, mode, args.repeats, preps, data_urls, args)
+        for mode in modes
+        for backend in backends
+    }
+    results = [_summary(backend, mode, prep, r) for (backend, mode), r in runs.items() for prep in preps]
     load.append(load_average())
     print(f"\ncompile: max_tokens=1, {args.repeats} repeats, {machine()}, load {load[0]} -> {load[1]}")
     print("(text only: no image; cached image: one image every request repeats; distinct image: a new one each)")
@@ -181,6 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(
                 [
                     r["backend"],
+                    r["engine_mode"],
                     PREP_LABELS[r["preparation"]],
                     LABELS[kind],
                     _served(r[f"served_{kind}"]),
@@ -193,7 +202,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["cache_hit_ms_max"],
                 ]
             )
-    headers = ["backend", "request", "schema", "served by", "TTFT none ms", "TTFT ms", "ratio", "IQR", "min-max"]
+    headers = [
+        "backend",
+        "engine",
+        "request",
+        "schema",
+        "served by",
+        "TTFT none ms",
+        "TTFT ms",
+        "ratio",
+        "IQR",
+        "min-max",
+    ]
     headers += ["hit ms", "hit max"]
     print_table(headers, rows)
     print("(TTFT: medians; ratio: median over repeats of TTFT ÷ the same repeat's no-schema TTFT; target ≤ 1.10,")
@@ -201,9 +221,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures = {"scenario": "compile", "results": results, "repeats": args.repeats, "machine": machine(), "load": load}
 
     def plot(ax: Any) -> None:
-        for backend, r in runs.items():
+        for (backend, mode), r in runs.items():
             for prep in preps:
-                label = f"{backend}, {PREP_LABELS[prep]}"
+                label = f"{backend}, engine {mode}, {PREP_LABELS[prep]}"
                 ax.plot([t * 1000 for t in r["ttft"][prep]["bounded"]], "^-", label=f"{label}: bounded strings")
                 ax.plot([t * 1000 for t in r["ttft"][prep]["new"]], "s-", label=f"{label}: new schema")
                 ax.plot([t * 1000 for t in r["ttft"][prep]["none"]], "o:", label=f"{label}: no schema")

@@ -16,6 +16,7 @@ limiters); ``stats.backends`` and the compile counters are the engine's, as of i
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -38,6 +39,11 @@ from vision.checkpoint import Checkpoint
 __all__ = ["RemoteGrammarStage", "build_remote_grammar_stage"]
 
 _CHECK_BYTES = 16 * 1024  # a cached check's nominal size (a validator; the spec's key is counted too)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    error: GrammarError
 
 
 def _error(verdict: GrammarVerdict) -> PipelineError:
@@ -149,24 +155,38 @@ class RemoteGrammarStage:
 
     async def _first_compile(self, spec: GrammarSpec, request_id: str | None) -> CompiledConstraint | PipelineError:
         try:
-            check_size(spec, spec.key, self.limits)
-            await anyio.to_thread.run_sync(precheck, spec, self.limits, limiter=self.limiter)
+            check_size(spec, spec.key, self.limits)  # before the spec crosses: the cache key holds it
         except GrammarError as exc:
-            self.stats.errors += 1
-            self._cache.store(spec.key, exc)
-            return exc
-        token, reply = self.engine.ask("grammar", spec)  # the engine compiles while the check is built
-        check: AnswerCheck | GrammarError
+            return self._refused(spec, exc)
+        # the engine compiles while the checks run here: what precheck refuses, the engine's compile
+        # refuses first too, with the same error (the verdict is then not waited for)
+        token, reply = self.engine.ask("grammar", spec)
         try:
-            try:
-                check = await anyio.to_thread.run_sync(self.checks.build, spec, limiter=self.limiter)
-            except GrammarError as exc:
-                check = exc
+            checked = await anyio.to_thread.run_sync(self._check, spec, limiter=self.limiter)
+            if isinstance(checked, _Refused):
+                self.engine.forget(token)
+                return self._refused(spec, checked.error)
             await reply.wait()
         except BaseException:
             self.engine.forget(token)
             raise
-        return self._settle(spec, reply.get(), check)
+        return self._settle(spec, reply.get(), checked)
+
+    def _check(self, spec: GrammarSpec) -> AnswerCheck | GrammarError | _Refused:
+        """The answer check of ``spec`` (or why it cannot be built), or ``precheck``'s refusal."""
+        try:
+            precheck(spec, self.limits)
+        except GrammarError as exc:
+            return _Refused(exc)
+        try:
+            return self.checks.build(spec)
+        except GrammarError as exc:
+            return exc
+
+    def _refused(self, spec: GrammarSpec, error: GrammarError) -> GrammarError:
+        self.stats.errors += 1
+        self._cache.store(spec.key, error)
+        return error
 
     async def _ask(self, spec: GrammarSpec, check: AnswerCheck, request_id: str | None) -> Any:
         token, reply = self.engine.ask("grammar", spec)

@@ -1,15 +1,18 @@
-"""The engine process's grammars: one compile per spec, cached, and llguidance while xgrammar compiles."""
+"""The engine process's grammars: a verdict per hint (the stage's backend policy and cache), refusals
+typed for the serving process's 400, and adds served from the same cache."""
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future
+import queue
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import xgrammar as xgr
 
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_grammars import EngineGrammars
+from pipeline.core.engine_wire import GrammarsIdle, GrammarVerdict
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import LLGrammar
 from vision.checkpoint import Checkpoint
@@ -18,46 +21,42 @@ SPEC = GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type"
 
 
 @pytest.fixture
-def grammars(checkpoint: Checkpoint) -> EngineGrammars:
-    done = threading.Semaphore(0)
-    g = EngineGrammars(PipelineConfig(), checkpoint, on_done=done.release)
-    g.done = done  # type: ignore[attr-defined]
-    return g
+def sent() -> queue.Queue[Any]:
+    return queue.Queue()
 
 
-def _wait(flight: object) -> object:
-    assert isinstance(flight, Future)
-    return flight.result(timeout=120).grammar
+@pytest.fixture
+def grammars(checkpoint: Checkpoint, sent: queue.Queue[Any]) -> Iterator[EngineGrammars]:
+    g = EngineGrammars(PipelineConfig(), checkpoint, send=sent.put, on_done=lambda: None)
+    yield g
+    g.close()
 
 
-def test_one_compile_per_spec_then_a_cache_hit(grammars: EngineGrammars) -> None:
-    first, second = grammars.get("xgrammar", SPEC), grammars.get("xgrammar", SPEC)
-    assert isinstance(first, Future) and first is second
-    grammar = _wait(first)
-    assert isinstance(grammar, xgr.CompiledGrammar)
-    grammars.collect()
-    assert grammars.get("xgrammar", SPEC) is grammar
-    grammars.close()
+def test_llguidance_answers_first_then_xgrammar_replaces_it_in_the_cache(
+    grammars: EngineGrammars, sent: queue.Queue[Any]
+) -> None:
+    grammars.verdict(1, SPEC)
+    first = sent.get(timeout=120)
+    assert isinstance(first, GrammarVerdict) and first.token == 1 and first.error is None
+    assert (first.backend, first.is_stand_in) == ("llguidance", True)
+    assert isinstance(grammars.cached(SPEC), LLGrammar)
+    grammars.idle(2)
+    assert sent.get(timeout=120) == GrammarsIdle(2)  # xgrammar's background compile has ended
+    assert isinstance(grammars.cached(SPEC), xgr.CompiledGrammar)
+    grammars.verdict(3, SPEC)
+    again = sent.get(timeout=120)
+    assert (again.backend, again.is_stand_in) == ("xgrammar", False)
+    assert again.compiles == {"llguidance: xgrammar compile outlasts preparation": 1, "xgrammar: default": 1}
+    assert grammars.get(SPEC).result(timeout=120).grammar is grammars.cached(SPEC)  # a hit: no compile
 
 
-def test_xgrammar_asked_for_is_served_by_llguidance_until_its_own_compile_ends(grammars: EngineGrammars) -> None:
-    fast = _wait(grammars.get("llguidance", SPEC))
-    assert isinstance(fast, LLGrammar)
-    grammars.collect()
-    assert grammars.get("xgrammar", SPEC) is fast  # its compile started in the background
-    for _ in range(2):  # llguidance's compile ended, then xgrammar's
-        assert grammars.done.acquire(timeout=120)  # type: ignore[attr-defined]
-    grammars.collect()
-    assert isinstance(grammars.get("xgrammar", SPEC), xgr.CompiledGrammar)
-    grammars.close()
-
-
-def test_a_failed_compile_fails_its_waiters_and_is_not_cached(grammars: EngineGrammars) -> None:
-    bad = GrammarSpec("regex", "(unclosed")
-    flight = grammars.get("xgrammar", bad)
-    assert isinstance(flight, Future)
+def test_a_refused_spec_is_a_typed_verdict_naming_its_field(grammars: EngineGrammars, sent: queue.Queue[Any]) -> None:
+    bad = GrammarSpec("regex", "(unclosed", field="guided_regex")
+    grammars.verdict(7, bad)
+    verdict = sent.get(timeout=120)
+    assert isinstance(verdict, GrammarVerdict) and verdict.error is not None
+    name, message, field, _ = verdict.error
+    assert (name, field) == ("GrammarError", "guided_regex") and "regex" in message
+    assert grammars.cached(bad) is None
     with pytest.raises(Exception, match="regex"):
-        flight.result(timeout=120)
-    grammars.collect()
-    assert grammars.get("xgrammar", bad) is not flight  # tried again, not a cached failure
-    grammars.close()
+        grammars.get(bad).result(timeout=120)  # the cached refusal, raised again

@@ -1,5 +1,5 @@
-"""A request whose preparation is short (text only, cached images) or done does not wait for an
-xgrammar compile: llguidance serves it while xgrammar compiles in the background for later requests."""
+"""A request does not wait for an xgrammar compile, whatever its preparation: llguidance serves it
+while xgrammar compiles in the background for later requests."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ async def test_a_new_schema_is_served_by_llguidance_until_xgrammar_compiled_it(
     pipe: Pipeline, gate: threading.Event, preparation: str
 ) -> None:
     """xgrammar's compile outlasts preparation (it waits for the gate): llguidance serves, and the
-    requests after it get xgrammar's grammar. A compile nobody waits for (preparation known to be
-    short before it starts) runs at the lowest CPU priority."""
+    requests after it get xgrammar's grammar. Whatever the preparation, nobody waits for that compile:
+    it runs at the lowest CPU priority."""
     body = TEXT if preparation == "text only" else image_body(21 if preparation == "cached image" else 22)
     new = schema(preparation.replace(" ", "_"))
     with anyio.fail_after(60):
@@ -109,7 +109,7 @@ async def test_a_new_schema_is_served_by_llguidance_until_xgrammar_compiled_it(
     xgrammar = pipe.preparation.grammar.compilers["xgrammar"]
     assert isinstance(xgrammar, GatedCompiler)
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert xgrammar.nice[spec_of(new).key] == (base if preparation == "distinct image" else min(19, base + 19))
+    assert xgrammar.nice[spec_of(new).key] == min(19, base + 19)
     await assert_released(pipe)
 
 

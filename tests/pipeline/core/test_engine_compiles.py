@@ -1,0 +1,161 @@
+"""With the engine in its own process, a grammar is compiled once, there: the serving process sends the
+spec at admission and waits for the engine's verdict, so a refused spec is the same 400 as in thread
+mode before any decode work, and llguidance serves a new schema until xgrammar's compile lands."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import jsonschema
+import pytest
+
+from pipeline import PipelineConfig
+from pipeline.core.pipeline import Pipeline
+from pipeline.core.remote_grammar import RemoteGrammarStage
+from pipeline.errors import GrammarError, PipelineError, RequestCancelled
+from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
+from tests.images import data_url, encode, image_request, make_image
+from tests.released import assert_released
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def config(mode: str) -> PipelineConfig:
+    return PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048, engine_mode=mode)
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    async with Pipeline(config("process")) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+async def thread_pipe() -> AsyncIterator[Pipeline]:
+    async with Pipeline(config("thread")) as p:
+        yield p
+
+
+@pytest.fixture
+def serving_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """Compiles by backend in this (the serving) process; the engine process's are its own."""
+    counts: Counter[str] = Counter()
+    for cls in (XGrammarCompiler, LLGuidanceCompiler):
+        real = cls.compile
+
+        def counted(self: Any, spec: Any, _real: Any = real, _name: str = cls.name) -> Any:
+            counts[_name] += 1
+            return _real(self, spec)
+
+        monkeypatch.setattr(cls, "compile", counted)
+    yield counts
+
+
+def schema(name: str) -> dict[str, Any]:
+    """A schema new to the pipeline (the dispatch table gives it to xgrammar)."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "integer", "minimum": 0, "maximum": 999}, "kind": {"enum": ["a", "b"]}},
+        "required": [name, "kind"],
+        "additionalProperties": False,
+    }
+
+
+def guided(body: dict[str, Any], schema: Any) -> dict[str, Any]:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    return {**body, "response_format": fmt, "max_tokens": 48, "temperature": 0}
+
+
+TEXT = {"messages": [{"role": "user", "content": "A number."}]}
+
+
+async def served_by(pipe: Pipeline, body: dict[str, Any], schema: dict[str, Any]) -> str | None:
+    result = await (await pipe.submit(guided(body, schema))).result()
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.text), schema)  # the answer holds, whichever backend served
+    return result.grammar_backend
+
+
+@pytest.mark.parametrize("preparation", ["text only", "distinct image"])
+async def test_a_new_schema_compiles_once_in_the_engine_process(
+    pipe: Pipeline, serving_compiles: Counter[str], preparation: str
+) -> None:
+    """llguidance serves the first request, xgrammar (compiled in the background) a later one; each
+    backend compiled the spec once, in the engine process, none in the serving process."""
+    grammar = pipe.preparation.grammar
+    assert isinstance(grammar, RemoteGrammarStage)
+    first = TEXT if preparation == "text only" else image_request([data_url(encode(make_image(seed=31)))])
+    later = TEXT if preparation == "text only" else image_request([data_url(encode(make_image(seed=32)))])
+    new = schema(f"once_{preparation.replace(' ', '_')}")
+    before = Counter(grammar.stats.backends)
+    with anyio.fail_after(120):
+        assert await served_by(pipe, first, new) == "llguidance"
+        await grammar.wait_idle()
+        assert await served_by(pipe, later, new) == "xgrammar"
+    compiled = Counter(grammar.stats.backends)
+    compiled.subtract(before)
+    assert +compiled == Counter({"llguidance: xgrammar compile outlasts preparation": 1, "xgrammar: default": 1})
+    assert not serving_compiles
+    await assert_released(pipe)
+
+
+async def outcome(pipe: Pipeline, body: dict[str, Any]) -> tuple[Any, ...]:
+    try:
+        await (await pipe.submit(body)).result()
+    except PipelineError as exc:
+        return type(exc), exc.message, exc.field, exc.stage
+    return ("served",)
+
+
+BAD = {
+    "a type no schema has": guided(TEXT, {"type": "object", "properties": {"a": {"type": "strin"}}}),
+    "a schema without values": guided(TEXT, {"type": "object", "properties": {"a": {"not": {}}}, "required": ["a"]}),
+    "over the enum bound": guided(TEXT, {"enum": list(range(20_000))}),
+    "a malformed grammar": {**TEXT, "guided_grammar": "root ::= ((", "max_tokens": 8},
+    "a malformed regex": {**TEXT, "guided_regex": "a((b", "max_tokens": 8},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+async def test_a_refused_spec_is_the_same_400_in_both_engine_modes(
+    pipe: Pipeline, thread_pipe: Pipeline, serving_compiles: Counter[str], case: str
+) -> None:
+    with anyio.fail_after(120):
+        in_process = await outcome(pipe, BAD[case])
+        assert not serving_compiles
+        in_thread = await outcome(thread_pipe, BAD[case])
+    assert in_process == in_thread
+    kind, _, field, stage = in_process
+    # refused by the grammar stage, before the engine got the request
+    assert issubclass(kind, GrammarError) and field and stage == "grammar"
+    await assert_released(pipe)
+
+
+async def test_a_request_cancelled_while_the_engine_compiles_leaves_nothing_behind() -> None:
+    # xgrammar forced, and bounded strings: its compile takes about a second, in the engine process
+    bounded = {"type": "object", "properties": {"note": {"type": "string", "minLength": 1, "maxLength": 40}}}
+    body = guided(TEXT, bounded)
+    async with Pipeline(dataclasses.replace(config("process"), grammar_backend="xgrammar")) as pipe:
+        grammar = pipe.preparation.grammar
+        assert isinstance(grammar, RemoteGrammarStage)
+        with anyio.fail_after(120):
+            handle = await pipe.submit(body)
+            await anyio.wait_all_tasks_blocked()
+            assert grammar.num_compiling == 1  # its verdict is awaited: the engine process compiles
+            handle.cancel()
+            with pytest.raises(RequestCancelled):
+                await handle.result()
+            await assert_released(pipe)  # waits for the engine's compile to end; nothing held anywhere
+            assert grammar.stats.backends == Counter({"xgrammar: forced by config": 1})
+            result = await (await pipe.submit(body)).result()  # compiled meanwhile: a cache hit there
+        assert result.grammar_backend == "xgrammar"
+        assert grammar.stats.backends == Counter({"xgrammar: forced by config": 1})
+        await assert_released(pipe)
