@@ -172,6 +172,12 @@ class GrammarStage:
         while self._flights:
             await next(iter(self._flights.values())).wait()
 
+    async def wait_replaced(self, spec: GrammarSpec) -> None:
+        """Return once no xgrammar compile of ``spec`` runs (one that replaces a stand-in has ended)."""
+        flight = self._flights.get(("xgrammar", spec.key))
+        if flight is not None:
+            await flight.wait()
+
     def _compile_sync(self, backend: str, spec: GrammarSpec, nice: int) -> Compiled:
         check_limits(spec, self.limits)
         started = time.perf_counter()

@@ -2,8 +2,10 @@
 
 The grammar compile starts at admission and overlaps fetch, decode and encode, so with a new image
 in the request a new schema should cost little extra time to first token. Where preparation is
-short (a text-only request, or an image the encoder cache holds) nothing hides the compile: there
-llguidance serves a new schema's first requests while xgrammar compiles in the background (auto).
+short (a text-only request, or an image the encoder cache holds) nothing hides the compile; in auto
+dispatch llguidance (milliseconds) serves a new schema's first requests, whatever the preparation,
+while xgrammar compiles in the background for later ones. ``--engine-modes`` runs each engine mode
+(in process mode the engine process compiles, once).
 Each repeat sends, for every preparation (text only, a cached image, a distinct image), one request
 of every kind (no schema, a new schema, a new schema with bounded strings) back to back, in an order
 that rotates between repeats; each kind's ratio is the median over repeats of its TTFT ÷ the

@@ -75,6 +75,7 @@ class ProcessEngine(EngineSupervisor):
         self._token_table = token_table
         self._timelines: dict[int, list[StepTiming]] = {}  # answers to step_timeline(), by barrier token
         self._replies: dict[int, Outcome[Any]] = {}  # answers to ask(), by token
+        self.on_unasked: Callable[[Any], None] | None = None  # what the engine says unasked (token 0)
         self._num_barriers = 0
         # adds with tensors: through the arena, and inline (they did not fit it, or it is off)
         self.num_arena_adds = self.num_inline_adds = 0
@@ -216,6 +217,9 @@ class ProcessEngine(EngineSupervisor):
                 reached.set()
         elif isinstance(message, Alive):
             self._acked(message.acked)
+        elif isinstance(message, GrammarVerdict) and message.token == 0:
+            if self.on_unasked is not None:
+                self.on_unasked(message)
         elif isinstance(message, GrammarVerdict | GrammarsIdle):
             reply = self._replies.pop(message.token, None)
             if reply is not None:

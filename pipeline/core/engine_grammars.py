@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from pipeline.config import PipelineConfig
@@ -66,6 +67,7 @@ class EngineGrammars:
         self._portal: BlockingPortal = self._exit.enter_context(start_blocking_portal())
         self._stop: anyio.Event | None = None
         self._needed: anyio.Event | None = None
+        self._watched: set[str] = set()  # specs whose stand-in's replacement will be told
         self._host, _ = self._portal.start_task(self._run)
 
     async def _run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
@@ -84,8 +86,30 @@ class EngineGrammars:
         return self._portal.start_task_soon(lambda: self.stage.compile(spec, needed=self._needed))
 
     def verdict(self, token: int, spec: GrammarSpec) -> None:
-        """Compile ``spec`` (or find it cached) and send its verdict."""
-        self._compile(spec).add_done_callback(lambda f: self._send(verdict_of(token, f, self.stage)))
+        """Compile ``spec`` (or find it cached) and send its verdict; a stand-in's is followed by an
+        unasked verdict (token 0) once xgrammar's compile has replaced it."""
+        self._portal.start_task_soon(self._answer, token, spec)
+
+    async def _answer(self, token: int, spec: GrammarSpec) -> None:
+        future: Future[CompiledConstraint] = Future()
+        try:
+            future.set_result(await self.stage.compile(spec, needed=self._needed))
+        except Exception as exc:
+            future.set_exception(exc)
+        verdict = verdict_of(token, future, self.stage)
+        self._send(verdict)
+        if not verdict.is_stand_in or spec.key in self._watched:
+            return
+        self._watched.add(spec.key)  # one unasked verdict per replacement, however many asked
+        try:
+            await self.stage.wait_replaced(spec)
+        finally:
+            self._watched.discard(spec.key)
+        entry = self.stage.lookup(spec)
+        if isinstance(entry, CompiledConstraint) and not entry.is_stand_in:
+            done: Future[CompiledConstraint] = Future()
+            done.set_result(entry)
+            self._send(msgspec.structs.replace(verdict_of(0, done, self.stage), key=spec.key))
 
     def idle(self, token: int) -> None:
         """Send ``GrammarsIdle(token)`` once no compile runs."""

@@ -131,7 +131,8 @@ class Alive(msgspec.Struct, tag="alive"):
 
 class GrammarVerdict(msgspec.Struct, tag="verdict"):
     """The answer to ``("grammar", token, spec)``: which backend compiled the spec (now cached there),
-    or the typed error that refused it; and the engine's compile counters after it."""
+    or the typed error that refused it; and the engine's compile counters after it. Token 0: sent
+    unasked once xgrammar's grammar has replaced the llguidance stand-in of the spec keyed ``key``."""
 
     token: int
     backend: str = ""
@@ -140,6 +141,7 @@ class GrammarVerdict(msgspec.Struct, tag="verdict"):
     error: tuple[str, str, str | None, list[str]] | None = None  # class name, message, field, keywords
     compiles: dict[str, int] = {}  # compiles by "backend: reason"
     counters: dict[str, float] = {}  # the grammar stage's errors, timeouts, compile seconds
+    key: str = ""  # the spec's, in an unasked verdict
 
 
 class GrammarsIdle(msgspec.Struct, tag="grammars_idle"):

@@ -16,6 +16,7 @@ limiters); ``stats.backends`` and the compile counters are the engine's, as of i
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ class RemoteGrammarStage:
         self._cache: GrammarCache[CompiledConstraint] = GrammarCache(cache_bytes)
         self._waiting = 0  # compiles whose verdict is awaited
         self._idle: anyio.Event | None = None  # set when _waiting returns to 0
+        engine.on_unasked = self._replaced
 
     def attach(self, tg: TaskGroup) -> None:
         """Nothing runs in the pipeline's task group here (the engine process compiles)."""
@@ -197,14 +199,26 @@ class RemoteGrammarStage:
             raise
         return self._settle(spec, reply.get(), check)
 
+    def _replaced(self, verdict: GrammarVerdict) -> None:
+        """The engine's xgrammar grammar has replaced the stand-in of the spec keyed ``verdict.key``:
+        later hits need not ask it again."""
+        self._figures(verdict)
+        entry = self._cache.get(verdict.key)
+        if isinstance(entry, CompiledConstraint) and entry.is_stand_in and verdict.error is None:
+            fresh = dataclasses.replace(entry, backend=verdict.backend, reason=verdict.reason, is_stand_in=False)
+            self._cache.store(verdict.key, fresh)
+
+    def _figures(self, verdict: GrammarVerdict) -> None:
+        self.stats.backends.clear()
+        self.stats.backends.update(verdict.compiles)
+        self._counters = verdict.counters
+
     def _settle(
         self, spec: GrammarSpec, verdict: GrammarVerdict, check: AnswerCheck | GrammarError
     ) -> CompiledConstraint | PipelineError:
         """Cache and return the verdict: the engine's refusal first (the compile refuses before a check
         is built), then the check's."""
-        self.stats.backends.clear()
-        self.stats.backends.update(verdict.compiles)
-        self._counters = verdict.counters
+        self._figures(verdict)
         result: CompiledConstraint | PipelineError
         if verdict.error is not None:
             result = _error(verdict)  # counted there

@@ -41,8 +41,12 @@ def test_llguidance_answers_first_then_xgrammar_replaces_it_in_the_cache(
     assert (first.backend, first.is_stand_in) == ("llguidance", True)
     assert isinstance(grammars.cached(SPEC), LLGrammar)
     grammars.idle(2)
-    assert sent.get(timeout=120) == GrammarsIdle(2)  # xgrammar's background compile has ended
+    replaced, idle = sorted((sent.get(timeout=120), sent.get(timeout=120)), key=lambda m: type(m).__name__)
+    assert idle == GrammarsIdle(2)  # xgrammar's background compile has ended
     assert isinstance(grammars.cached(SPEC), xgr.CompiledGrammar)
+    # and the serving process is told unasked, so that its later hits need not ask
+    assert isinstance(replaced, GrammarVerdict) and (replaced.token, replaced.key) == (0, SPEC.key)
+    assert (replaced.backend, replaced.is_stand_in) == ("xgrammar", False)
     grammars.verdict(3, SPEC)
     again = sent.get(timeout=120)
     assert (again.backend, again.is_stand_in) == ("xgrammar", False)
