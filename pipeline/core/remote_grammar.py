@@ -1,13 +1,14 @@
 """RemoteGrammarStage: the serving process's grammar stage when the engine runs in its own process.
 
 The engine process compiles (``pipeline.core.engine_grammars``): it matches the grammars, and a compiled
-grammar costs 3-20x its compile to send. Here, at admission, a new spec gets the refusals every compile
-makes first (``stages.grammar_checks.precheck``: limits, schemas without values, unsupported keywords),
-then crosses as a hint, so the engine's compile overlaps the request's preparation; the answer check
-(``stages.grammar_checks.CheckBuilder``) is built here meanwhile. ``compile`` returns once the engine's
-verdict is in: a spec the engine refused is the same typed 400, naming its field, as in thread mode,
-before any decode work. Verdicts and checks are cached here by spec (bounded like the engine's cache);
-a stand-in's verdict is asked again until xgrammar's compile has replaced it there.
+grammar costs 3-20x its compile to send. At admission a new spec (its size checked) crosses as a hint,
+so the engine's compile overlaps the request's preparation; meanwhile the refusals every compile makes
+first (``stages.grammar_checks.precheck``: limits, schemas without values, unsupported keywords) run
+here, and the answer check (``stages.grammar_checks.CheckBuilder``) is built. ``compile`` returns with
+a precheck's refusal at once, else once the engine's verdict is in: a spec the engine refused is the
+same typed 400, naming its field, as in thread mode, before any decode work. Verdicts and checks are
+cached here by spec (bounded like the engine's cache); the engine says unasked when xgrammar's grammar
+has replaced a stand-in (until then a hit of one asks).
 
 It answers the calls the pipeline makes of a ``GrammarStage`` (``compile``, ``wait_idle``, counters,
 limiters); ``stats.backends`` and the compile counters are the engine's, as of its last verdict.
