@@ -301,9 +301,7 @@ class GrammarStage:
                 failed.fail(refusal)
                 return failed
         if spec.field == "tools":
-            # a tool call's grammar never gets a stand-in: llguidance reads a tag ending in a special
-            # token (Hermes' </tool_call>) as text where xgrammar reads the token, and its matcher then
-            # refused the token its mask allowed (a 500); and two backends lay out one greedy call
+            # a tool call's grammar never gets a stand-in: the two backends lay out one greedy call
             # differently, so the same request would get another call once xgrammar's compile landed
             return await self._await("xgrammar", dispatch.reason, spec)
         if ("xgrammar", spec.key) not in self._flights and self._is_busy():
