@@ -1,0 +1,39 @@
+"""The grammar stage's values: a request's compiled constraint, the reasons that make one a stand-in, the counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.answer_check import AnswerCheck
+
+__all__ = ["SLOTS_BUSY", "STAND_IN_REASONS", "CompiledConstraint", "GrammarStats"]
+
+# why llguidance served a spec meant for xgrammar: its grammar is replaced once xgrammar compiled it
+SLOTS_BUSY = "xgrammar compile slots busy"
+STAND_IN_REASONS = frozenset({SLOTS_BUSY, "xgrammar compile over budget", "xgrammar compile outlasts preparation"})
+
+
+@dataclass
+class GrammarStats:
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    compile_seconds: float = 0.0
+    backends: Counter[str] = field(default_factory=Counter)  # compiles by "backend: reason"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledConstraint:
+    """A request's compiled constraint: what the engine makes matchers from, and the check every
+    finished answer must pass."""
+
+    kind: str
+    backend: str  # "xgrammar" | "llguidance"
+    reason: str  # why that backend (a dispatch row, "default", "xgrammar busy", ...)
+    grammar: Any  # xgr.CompiledGrammar | LLGrammar
+    check: AnswerCheck
+    nbytes: int
+    is_stand_in: bool = False  # llguidance's, until xgrammar's compile of the same spec replaces it
