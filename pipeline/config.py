@@ -134,6 +134,11 @@ class PipelineConfig:
     # costs about 4 ms however short, so smaller budgets add steps (128: p99 16.2 ms, but a prefill
     # between almost every two decodes, p50 1.5x).
     prefill_chunk_tokens_with_decodes: int = 256
+    # While sequences decode, the decode steps between two prefill chunks (1: prefill and decode steps
+    # alternate while both have work). k > 1 slows one decode token in k + 1 instead of one in two
+    # during a burst of prompts, and delays each chunk's prefill by k decode steps (TTFT); a prefill
+    # is never held when nothing decodes (sampling/scheduler.py).
+    decode_steps_per_prefill: int = 1
     default_max_tokens: int = 256
     engine_queue_size: int = 64
     # "thread": the engine's step loop on a thread of the serving process (sampling/async_engine.py);
@@ -189,6 +194,7 @@ class PipelineConfig:
             "kv_block_size": self.kv_block_size,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "prefill_chunk_tokens_with_decodes": self.prefill_chunk_tokens_with_decodes,
+            "decode_steps_per_prefill": self.decode_steps_per_prefill,
             "default_max_tokens": self.default_max_tokens,
             "engine_queue_size": self.engine_queue_size,
         }

@@ -1,12 +1,16 @@
 """Continuous batching: which sequences run this step, KV blocks, preemption.
 
 A step is either one prefill chunk of one sequence or one decode token for every running sequence.
-Prefill and decode steps alternate while both have work, so a long prompt never stalls running
-decodes for more than one chunk at a time; while sequences decode, a chunk takes at most
-``chunk_tokens_with_decodes`` (a shorter chunk, a shorter stall, as vLLM's chunked prefill bounds
-its prefill tokens per step), and ``chunk_tokens`` when nothing decodes. When KV blocks run out, the
-newest running sequence is preempted: its blocks are freed and it is recomputed later from its
-prompt plus what it had generated.
+While sequences decode, a prefill chunk runs once ``decode_steps_per_prefill`` decode steps have run
+since the last one (1: prefill and decode steps alternate), so a long prompt never stalls running
+decodes for more than one chunk at a time, and a burst of prompts delays at most one decode token
+in that many (the cadence TGI's router keeps with ``max_waiting_tokens``). A held prefill waits for
+that many decode steps and no more, and never when nothing decodes: waiting sequences are admitted
+in order, one chunk every ``decode_steps_per_prefill + 1`` steps at least, so none starves. While
+sequences decode, a chunk takes at most ``chunk_tokens_with_decodes`` tokens (a shorter chunk, a
+shorter stall, as vLLM's chunked prefill bounds its prefill tokens per step), and ``chunk_tokens``
+when nothing decodes. When KV blocks run out, the newest running sequence is preempted: its blocks
+are freed and it is recomputed later from its prompt plus what it had generated.
 
 With the prefix cache on, a sequence admitted takes the longest run of cached blocks its tokens
 hash to (sampling/prefix_cache.py) and starts its prefill after them; its full blocks are registered
@@ -73,10 +77,13 @@ class Scheduler:
         max_running: int,
         chunk_tokens: int,
         chunk_tokens_with_decodes: int | None = None,
+        decode_steps_per_prefill: int = 1,
         prefix_caching: bool = False,
         image_token_id: int | None = None,
         atomic_image_spans: bool = False,
     ) -> None:
+        if decode_steps_per_prefill < 1:
+            raise ValueError(f"decode_steps_per_prefill must be at least 1, got {decode_steps_per_prefill}")
         self.allocator = allocator
         self.prefix_caching = prefix_caching
         self.image_token_id = image_token_id
@@ -90,7 +97,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._unfit: list[Sequence] = []  # found by this schedule() call; handed back with its result
-        self._last_was_prefill = False
+        self.decode_steps_per_prefill = decode_steps_per_prefill
+        # decode steps since the last prefill step; a prefill may run beside decodes once it reaches
+        # decode_steps_per_prefill (the first one at once)
+        self._decodes_since_prefill = decode_steps_per_prefill
         self.num_preemptions = 0  # since start, for metrics
 
     def add(self, seq: Sequence) -> None:
@@ -196,12 +206,14 @@ class Scheduler:
             return None
         for seq in seqs:
             self._grow(seq, seq.num_tokens_launched)
-        self._last_was_prefill = False
+        self._decodes_since_prefill += 1
         return DecodeStep(seqs)
 
     def _would_prefill(self) -> bool:
         """Whether ``schedule()`` would now run a prefill chunk or fail a sequence that can never fit
-        (after a decode step, so no prefill is owed to the decodes)."""
+        (after a decode step, whose sequences still decode)."""
+        if not self._prefill_due(any(not s.is_prefilling for s in self.running)):
+            return False
         if any(s.is_prefilling for s in self.running):
             return True
         if not self.waiting or len(self.running) >= self.max_running:
@@ -213,20 +225,27 @@ class Scheduler:
         prefilling = next((s for s in self.running if s.is_prefilling), None)
         decoding = [s for s in self.running if not s.is_prefilling]
         want_prefill = prefilling is not None or bool(self.waiting)
-        if want_prefill and not (decoding and self._last_was_prefill):
+        if want_prefill and self._prefill_due(bool(decoding)):
             seq = prefilling or self._admit()
             if seq is not None:
                 start = seq.num_computed
                 end = self._chunk_end(seq, start, self.chunk_tokens_with_decodes if decoding else self.chunk_tokens)
                 if self._reserve(seq, end):
                     self._grow(seq, end)
-                    self._last_was_prefill = True
+                    self._decodes_since_prefill = 0
                     return PrefillStep(seq, start, end)
                 decoding = [s for s in self.running if not s.is_prefilling]
-        self._last_was_prefill = False
         if not decoding:
             return None
-        return self._schedule_decode(decoding)
+        step = self._schedule_decode(decoding)
+        if step is not None:
+            self._decodes_since_prefill += 1
+        return step
+
+    def _prefill_due(self, decoding: bool) -> bool:
+        """Whether a prefill chunk may run this step: always when nothing decodes, and beside decodes
+        once ``decode_steps_per_prefill`` decode steps have run since the last one."""
+        return not decoding or self._decodes_since_prefill >= self.decode_steps_per_prefill
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         """Where the prefill chunk starting at ``start`` ends: ``budget`` tokens later at most, and

@@ -93,6 +93,7 @@ def build_llm_engine(
         max_running=config.max_running_seqs,
         chunk_tokens=config.prefill_chunk_tokens,
         chunk_tokens_with_decodes=config.prefill_chunk_tokens_with_decodes,
+        decode_steps_per_prefill=config.decode_steps_per_prefill,
         record_timeline=record_timeline or config.record_step_timeline,
         tracer=tracer,
         one_step_ahead=config.engine_one_step_ahead,
