@@ -31,12 +31,32 @@ def _intervals(starts: list[float]) -> list[float]:
     return [b - a for a, b in zip(starts, starts[1:], strict=False)]
 
 
+def _split_intervals(steps: list[StepTiming]) -> tuple[list[float], list[float]]:
+    """The intervals between consecutive decode steps: those with a prefill step between them, and
+    those without (a decoding stream's tokens, with and without another request's prefill)."""
+    with_prefill: list[float] = []
+    clean: list[float] = []
+    last: float | None = None
+    prefilled = False
+    for step in sorted(steps, key=lambda s: s.start):
+        if step.kind == "prefill":
+            prefilled = True
+            continue
+        if last is not None:
+            (with_prefill if prefilled else clean).append(step.start - last)
+        last, prefilled = step.start, False
+    return with_prefill, clean
+
+
 def summarise(windows: list[WindowSteps]) -> dict[str, float]:
     """Figures over ``windows`` together: per-step medians (ms), shares of the windows' wall time."""
     wall = sum(w.end - w.start for w in windows)
     decodes = [s for w in windows for s in w.steps if s.kind == "decode"]
     prefills = [s for w in windows for s in w.steps if s.kind == "prefill"]
     intervals = [g for w in windows for g in _intervals([s.start for s in w.steps if s.kind == "decode"])]
+    split = [_split_intervals(w.steps) for w in windows]
+    with_prefill = [g for w, _ in split for g in w]
+    clean = [g for _, c in split for g in c]
     in_steps = sum(min(s.total, w.end - s.start) for w in windows for s in w.steps)  # a step may outlast its window
     nan = float("nan")
     return {
@@ -50,6 +70,12 @@ def summarise(windows: list[WindowSteps]) -> dict[str, float]:
         "prefill_steps": len(prefills),
         "prefill_tokens": sum(s.tokens for s in prefills),
         "prefill_step_max_ms": round(max(s.total for s in prefills) * 1e3, 3) if prefills else nan,
+        "prefill_step_ms": round(median([s.total for s in prefills]) * 1e3, 3) if prefills else nan,
+        "prefill_step_cpu_ms": round(median([s.cpu for s in prefills]) * 1e3, 3) if prefills else nan,
+        # the decode intervals a prefill step fell into, and the others: what a prefill costs a stream
+        "intervals_with_prefill": len(with_prefill),
+        "interval_with_prefill_ms": round(median(with_prefill) * 1e3, 3) if with_prefill else nan,
+        "interval_clean_ms": round(median(clean) * 1e3, 3) if clean else nan,
         "prefills_per_decode": round(len(prefills) / len(decodes), 3) if decodes else nan,
         "decode_share": round(sum(s.total for s in decodes) / wall, 3) if wall else nan,
         "prefill_share": round(sum(s.total for s in prefills) / wall, 3) if wall else nan,
@@ -70,6 +96,11 @@ TIMELINE_HEADERS = [
     "prefill steps",
     "prefill tokens",
     "prefill max ms",
+    "prefill step p50 ms",
+    "prefill cpu p50 ms",
+    "intervals with prefill",
+    "with prefill p50 ms",
+    "without p50 ms",
     "prefill/decode",
     "wall in decode",
     "wall in prefill",
@@ -88,6 +119,11 @@ def timeline_row(prep: str, engine: str, kind: str, phase: str, figures: dict[st
         "prefill_steps",
         "prefill_tokens",
         "prefill_step_max_ms",
+        "prefill_step_ms",
+        "prefill_step_cpu_ms",
+        "intervals_with_prefill",
+        "interval_with_prefill_ms",
+        "interval_clean_ms",
         "prefills_per_decode",
         "decode_share",
         "prefill_share",

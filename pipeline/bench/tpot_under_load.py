@@ -8,7 +8,9 @@ ratios compare like with like. On this machine everything shares two cores.
 Two bursts per mode: every request with an image of its own (``distinct``: each is decoded,
 processed and encoded) and every request with one image (``repeated``: encoder-cache hits after the
 first, so what remains is the serving process's own work per request). The burst's requests are
-only prepared; ``--burst-tokens N`` serves each to N tokens, so their prefills share the engine's steps.
+only prepared; ``--burst-tokens N`` serves each to N tokens, so their prefills share the engine's steps,
+and the table adds the burst's time to first token (from each request's submit, p50 and p99 over
+the repeats). ``--decode-steps-per-prefill K`` sets the scheduler's prefill cadence beside decodes.
 
 ``--timeline``: the engine records every step, and a second table splits the decodes' time per token,
 idle and during the burst, into decode steps, prefill steps and time outside steps
@@ -64,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=PipelineConfig().prefill_chunk_tokens_with_decodes,
         help="prefill_chunk_tokens_with_decodes: a prefill chunk's tokens while sequences decode",
     )
+    parser.add_argument(
+        "--decode-steps-per-prefill",
+        type=int,
+        default=PipelineConfig().decode_steps_per_prefill,
+        help="decode_steps_per_prefill: decode steps between two prefill chunks while sequences decode",
+    )
     parser.add_argument("--timeline", action="store_true", help="record engine steps; print what the decodes wait for")
     parser.add_argument("--out", default=None)
 
@@ -98,20 +106,33 @@ def _image_body(data_url: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}]}
 
 
-async def _served(pipe: Pipeline, body: dict[str, Any]) -> None:
-    await (await pipe.submit(body)).result()
+async def _served(pipe: Pipeline, body: dict[str, Any], ttfts: list[float]) -> None:
+    """Serve ``body`` to the end; its time to first token goes to ``ttfts``."""
+    start = time.perf_counter()
+    first = None
+    async for _ in await pipe.submit(body):
+        if first is None:
+            first = time.perf_counter()
+            ttfts.append(first - start)
 
 
 async def _burst(
-    pipe: Pipeline, data_urls: list[str], window: list[float], ready: anyio.Event, max_tokens: int = 0
+    pipe: Pipeline,
+    data_urls: list[str],
+    window: list[float],
+    ready: anyio.Event,
+    max_tokens: int = 0,
+    ttfts: list[float] | None = None,
 ) -> None:
-    """Prepare every image request (``max_tokens`` > 0: serve it too, so its prefill joins the engine's steps)."""
+    """Prepare every image request (``max_tokens`` > 0: serve it too, so its prefill joins the
+    engine's steps, and its time to first token goes to ``ttfts``)."""
     await ready.wait()
     window.append(time.perf_counter())
     async with anyio.create_task_group() as tg:
         for data_url in data_urls:
             if max_tokens:
-                tg.start_soon(_served, pipe, _image_body(data_url) | {"max_tokens": max_tokens, "ignore_eos": True})
+                body = _image_body(data_url) | {"max_tokens": max_tokens, "ignore_eos": True}
+                tg.start_soon(_served, pipe, body, [] if ttfts is None else ttfts)
             else:
                 tg.start_soon(pipe.prepare, _image_body(data_url))
     window.append(time.perf_counter())
@@ -119,10 +140,11 @@ async def _burst(
 
 async def _loaded_run(
     pipe: Pipeline, args: argparse.Namespace, data_urls: list[str]
-) -> tuple[list[tuple[float, float]], list[float]]:
+) -> tuple[list[tuple[float, float]], list[float], list[float]]:
     """The same decodes, with the image burst started once they are all producing tokens; the
-    gaps inside the burst, and the burst's start and end."""
+    gaps inside the burst, the burst's start and end, and its served requests' TTFTs."""
     window: list[float] = []
+    ttfts: list[float] = []
     decoding = anyio.Event()
     loaded: list[tuple[float, float]] = []
 
@@ -131,8 +153,8 @@ async def _loaded_run(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(decodes)
-        tg.start_soon(_burst, pipe, data_urls, window, decoding, args.burst_tokens)
-    return loaded, window
+        tg.start_soon(_burst, pipe, data_urls, window, decoding, args.burst_tokens, ttfts)
+    return loaded, window, ttfts
 
 
 async def warm_up(pipe: Pipeline, data_url: str) -> None:
@@ -154,7 +176,7 @@ async def _measure(
     """Per image kind: idle and loaded TPOT medians and gaps, and the burst's requests/s; and with
     ``--timeline`` the engine's steps in each idle run and each burst."""
     out: dict[str, dict[str, list[float]]] = {
-        kind: {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": []} for kind in bursts
+        kind: {"idle": [], "load": [], "idle_gaps": [], "load_gaps": [], "burst_rps": [], "ttft": []} for kind in bursts
     }
     timelines: dict[str, dict[str, list[WindowSteps]]] = {kind: {"idle": [], "burst": []} for kind in bursts}
     config = PipelineConfig(
@@ -165,6 +187,7 @@ async def _measure(
         engine_mode=engine_mode,
         record_step_timeline=args.timeline,
         prefill_chunk_tokens_with_decodes=args.chunk_with_decodes,
+        decode_steps_per_prefill=args.decode_steps_per_prefill,
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
@@ -175,7 +198,7 @@ async def _measure(
                 idle = await _decode_gaps(pipe, args.decodes, args.tokens, [])
                 if args.timeline and idle:
                     timelines[kind]["idle"].append(await _steps(pipe, idle[0][0], idle[-1][0]))
-                loaded, window = await _loaded_run(pipe, args, runs[r])
+                loaded, window, ttfts = await _loaded_run(pipe, args, runs[r])
                 if args.timeline and loaded:  # the burst while the decodes ran
                     timelines[kind]["burst"].append(await _steps(pipe, window[0], loaded[-1][0]))
                 res["idle"].append(median([g for _, g in idle]))
@@ -183,6 +206,7 @@ async def _measure(
                 res["idle_gaps"] += [g for _, g in idle]
                 res["load_gaps"] += [g for _, g in loaded]
                 res["burst_rps"].append(args.burst / (window[1] - window[0]))
+                res["ttft"] += ttfts
     return out, timelines
 
 
@@ -216,7 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"\ntpot-under-load: {args.decodes} decodes of {args.tokens} tokens, burst of {args.burst} image "
         f"requests (distinct: an image each; repeated: one image),"
-        f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()}"
+        f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()};"
+        f" prefill chunk beside decodes {args.chunk_with_decodes} tokens,"
+        f" {args.decode_steps_per_prefill} decode step(s) between prefills"
     )
     rows: list[list[Any]] = []
     per_mode: dict[str, dict[str, Any]] = {}
@@ -234,6 +260,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p99_ratio": round(load_p99 / idle_p99, 3),
             "burst_req_per_s": round(median(res["burst_rps"]), 2),
         }
+        if res["ttft"]:
+            per_mode[f"{mode}/{kind}"] |= {
+                "burst_ttft_ms_p50": round(percentile(res["ttft"], 50) * 1000, 3),
+                "burst_ttft_ms_p99": round(percentile(res["ttft"], 99) * 1000, 3),
+            }
         m = per_mode[f"{mode}/{kind}"]
         rows.append(
             [
@@ -247,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 m["ratio"],
                 m["p99_ratio"],
                 m["burst_req_per_s"],
+                m.get("burst_ttft_ms_p50", float("nan")),
+                m.get("burst_ttft_ms_p99", float("nan")),
             ]
         )
     print_table(
@@ -261,6 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p50 ratio",
             "p99 ratio",
             "burst req/s",
+            "burst TTFT p50 ms",
+            "p99 ms",
         ],
         rows,
     )
