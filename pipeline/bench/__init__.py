@@ -25,6 +25,7 @@ SCENARIOS = {
     "cache": "cache",
     "scale": "scale",
     "impl": "impl",
+    "cadence": "cadence",
 }
 
 
