@@ -7,8 +7,11 @@ from typing import Any
 
 import pytest
 
+from pipeline.config import PipelineConfig
+from pipeline.core.engine_factory import build_llm_engine
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import add, prompt, run_all
+from vision.checkpoint import Checkpoint
 
 
 def _add_burst(engine: Any, tokenizer: Any) -> None:
@@ -46,3 +49,10 @@ def _gaps(engine: Any) -> set[int]:
     prefills = [i for i, t in enumerate(engine.timeline) if t.kind == "prefill"]
     assert len(prefills) >= 8  # the second decode's and the burst's chunks
     return {b - a - 1 for a, b in zip(prefills, prefills[1:], strict=False)}
+
+
+def test_the_pipeline_config_reaches_the_scheduler(checkpoint: Checkpoint) -> None:
+    config = PipelineConfig(decode_steps_per_prefill=3, max_running_seqs=2, num_kv_blocks=64)
+    assert build_llm_engine(checkpoint, config, device="cpu").scheduler.decode_steps_per_prefill == 3
+    with pytest.raises(ValueError, match="decode_steps_per_prefill"):
+        PipelineConfig(decode_steps_per_prefill=0)
