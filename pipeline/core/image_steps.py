@@ -2,6 +2,9 @@
 encoder cache in between.
 
 Each image's bytes are hashed once, right after the fetch; the hash is its identity from then on.
+A ``data:`` URL seen before skips the fetch (its base64 decode): its text's digest names its content
+hash (stages/data_url_keys.py), and its bytes are decoded only if its image must be encoded after all
+(no longer in the encoder cache when the request claims it).
 At the decode step the request claims its images from the encoder cache (sorted by hash, one at a
 time: see stages/encoder_cache.py): a hit skips decode, the processor and the encoder; a miss makes
 the request the image's owner, and it decodes and encodes the image once for every request that asks
@@ -20,6 +23,7 @@ from pipeline.observability.trace import Tracer
 from pipeline.types import ImagePart
 from sampling.inputs import ImageKey
 from stages.content_hash import hash_off_loop
+from stages.data_url_keys import DataUrlKeys, is_data_url, url_digest
 from stages.decode import DecodeStage
 from stages.encoder_cache import EncodedImage, EncoderCache, Flight
 from stages.fetch import FetchStage
@@ -33,7 +37,8 @@ __all__ = ["ImageSteps", "RequestImages"]
 class RequestImages:
     """One request's images as the steps fill them in, in prompt order."""
 
-    data: list[bytes] = field(default_factory=list)  # fetched bytes, freed once decoded
+    # fetched bytes, freed once decoded; None: a data URL known by its text, not decoded (yet)
+    data: list[bytes | None] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)  # content hash of each image
     images: list[PreparedImage | EncodedImage] = field(default_factory=list)
     flights: dict[str, Flight] = field(default_factory=dict)  # images this request encodes for others
@@ -54,15 +59,28 @@ class ImageSteps:
         self.decode = decode
         self.vision = vision
         self.cache = cache  # None: off
+        # with no cache every image is decoded, so knowing its hash early saves nothing
+        self.url_keys = DataUrlKeys() if cache is not None else None
         self.tracer = tracer
 
     async def fetch_step(self, refs: list[ImagePart], out: RequestImages, request_id: str) -> None:
-        data: list[bytes] = [b""] * len(refs)
+        data: list[bytes | None] = [None] * len(refs)
         hashes = [""] * len(refs)
+        limiter, keys = self.fetch.base64_limiter, self.url_keys
 
         async def fetch_one(i: int) -> None:
-            data[i] = await self.fetch.run(refs[i].url, field=refs[i].field)
-            hashes[i] = await hash_off_loop(data[i], self.fetch.base64_limiter)
+            url = refs[i].url
+            digest = None
+            if keys is not None and is_data_url(url):
+                digest = await url_digest(url, limiter)
+                known = keys.get(digest)
+                if known is not None:
+                    hashes[i] = known
+                    return
+            data[i] = fetched = await self.fetch.run(url, field=refs[i].field)
+            hashes[i] = await hash_off_loop(fetched, limiter)
+            if keys is not None and digest is not None:
+                keys.put(digest, hashes[i])
 
         await run_each(fetch_one, len(refs))
         out.data, out.hashes = data, hashes
@@ -83,7 +101,10 @@ class ImageSteps:
 
         async def decode_one(k: int) -> None:
             h, i = todo[k]
-            decoded[h] = await self.decode.run(out.data[i], field=refs[i].field)
+            data = out.data[i]
+            if data is None:  # known by its data URL, and not cached (any more): decode the URL now
+                data = await self.fetch.run(refs[i].url, field=refs[i].field)
+            decoded[h] = await self.decode.run(data, field=refs[i].field)
 
         await run_each(decode_one, len(todo))
         out.data = []  # the encoded bytes are no longer needed: free them early

@@ -1,0 +1,87 @@
+"""The content hashes of ``data:`` URLs already seen, so that a repeated one skips its base64 decode.
+
+A data URL's text determines its bytes (base64, percent-escapes and whitespace decode one way only),
+so a digest of the text names the content hash of the bytes for good: an entry never goes stale, it
+leaves only to bound memory (least recently used out). The encoder cache stays keyed by content,
+so one image sent by http URL and by data URL, or as two spellings of its base64, shares one entry.
+
+Measured on a 446 KB JPEG (595 KB of base64): decoding holds the GIL for 1.7 ms plus 0.4 ms of
+whitespace handling, and the bytes' SHA-256 takes 0.3 ms more; the text's SHA-256 takes 0.4 ms and
+releases the GIL (``hash_off_loop`` runs it in a thread). SHA-256 for the reason content hashes use it
+(``stages/content_hash.py``): the key decides what is shared between requests, so a crafted text must
+not collide with another user's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import anyio
+
+from stages.content_hash import INLINE_HASH_BYTES
+
+__all__ = ["DEFAULT_MAX_ENTRIES", "DataUrlKeys", "KeyStats", "is_data_url", "url_digest"]
+
+# ~200 bytes each (a 32-byte key, a 64-character hash, the LRU links): 16,384 entries hold ~3 MB
+DEFAULT_MAX_ENTRIES = 16_384
+
+
+def is_data_url(url: str) -> bool:
+    """Whether ``url`` is a ``data:`` URL (the scheme in any case)."""
+    return url[:5].lower() == "data:"
+
+
+def _digest(text: bytes) -> bytes:
+    return hashlib.sha256(text).digest()
+
+
+async def url_digest(url: str, limiter: anyio.CapacityLimiter) -> bytes:
+    """The SHA-256 of ``url``'s text, in a worker thread under ``limiter`` when it is large (hashlib
+    releases the GIL while it works); a cancelled caller waits for the thread."""
+    # surrogatepass: any str encodes, and two different texts never encode alike
+    text = url.encode("utf-8", "surrogatepass")
+    if len(text) <= INLINE_HASH_BYTES:
+        return _digest(text)
+    return await anyio.to_thread.run_sync(_digest, text, limiter=limiter)
+
+
+@dataclass(slots=True)
+class KeyStats:
+    """Lookups that found a content hash (no decode) and those that did not, and entries held."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    entries: int = 0
+
+
+class DataUrlKeys:
+    """URL digest -> content hash, at most ``max_entries``, least recently used out. Event-loop only."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.stats = KeyStats()
+        self._entries: OrderedDict[bytes, str] = OrderedDict()
+
+    def get(self, digest: bytes) -> str | None:
+        """The content hash of the URL whose text has ``digest``, None when not known (counted)."""
+        content_hash = self._entries.get(digest)
+        if content_hash is None:
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(digest)
+        self.stats.hits += 1
+        return content_hash
+
+    def put(self, digest: bytes, content_hash: str) -> None:
+        """Remember that the URL whose text has ``digest`` decodes to bytes of ``content_hash``."""
+        self._entries[digest] = content_hash
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
+        self.stats.entries = len(self._entries)
