@@ -94,11 +94,20 @@ class Api:
         # would queue the /health probe behind them (rule 1).
         return await anyio.to_thread.run_sync(parse, body, limiter=self._json_limiter)
 
+    async def _admit(self, body: bytes) -> RequestHandle:
+        """Parse ``body`` and submit it, on the loop in one of the pipeline's turns (see
+        ``Preparation.loop_turns``); a large body is parsed in a thread first, outside any turn."""
+        if len(body) >= INLINE_BODY_BYTES:
+            request: ChatRequest = await self._decode(self.pipe.parse, body)
+            async with self.pipe.preparation.loop_turns:
+                return await self.pipe.submit(request)
+        async with self.pipe.preparation.loop_turns:
+            return await self.pipe.submit(self.pipe.parse(body))
+
     # -- POST ---------------------------------------------------------------------------------
     async def chat_completions(self, body: bytes) -> Reply | StreamReply:
         try:
-            request: ChatRequest = await self._decode(self.pipe.parse, body)
-            handle = await self.pipe.submit(request)
+            handle = await self._admit(body)
         except PipelineError as exc:
             return error_reply(exc)
         model = handle.request.model or self.pipe.model_name
@@ -110,16 +119,19 @@ class Api:
         except PipelineError as exc:
             return error_reply(exc)
         wants_logprobs = handle.request.sampling.logprobs is not None
-        return json_reply(
-            ChatCompletion(
-                id=f"chatcmpl-{handle.request_id}",
-                created=created,
-                model=model,
-                choices=[chat_choice(c, wants_logprobs, self.tokens, _arguments_key(handle)) for c in result.choices],
-                usage=usage(result),
-                timings=result.timings,
+        async with self.pipe.preparation.loop_turns:  # the step goes on to write the reply
+            return json_reply(
+                ChatCompletion(
+                    id=f"chatcmpl-{handle.request_id}",
+                    created=created,
+                    model=model,
+                    choices=[
+                        chat_choice(c, wants_logprobs, self.tokens, _arguments_key(handle)) for c in result.choices
+                    ],
+                    usage=usage(result),
+                    timings=result.timings,
+                )
             )
-        )
 
     async def _chat_stream(self, handle: RequestHandle, model: str, created: int, send: Send) -> None:
         chunk_id = f"chatcmpl-{handle.request_id}"

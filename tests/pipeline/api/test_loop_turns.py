@@ -1,0 +1,145 @@
+"""The serving process's longer synchronous steps take turns on the event loop: admission, the
+engine input's wrapping and the reply each wait for ``Preparation.loop_turns``, in arrival order,
+and a request cancelled while it waits holds nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from anyio.lowlevel import checkpoint
+
+from pipeline import PipelineConfig
+from pipeline.api.replies import Reply, StreamReply
+from pipeline.api.routes import Api
+from pipeline.core.handle import RequestHandle
+from pipeline.core.pipeline import Pipeline
+from pipeline.protocol.request import ChatRequest
+from tests.released import assert_released
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=64, max_model_len=512, preparation_mode="thread")
+    async with Pipeline(config) as pipe:
+        yield pipe
+
+
+def body(text: str) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+
+
+class Submitted:
+    """The first message of each request ``pipe.submit`` admitted, in order (the pipeline still runs)."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.texts: list[str] = []
+        self.any = anyio.Event()
+        self._pipe, submit = pipe, pipe.submit
+
+        async def spy(request: ChatRequest | dict[str, Any]) -> RequestHandle:
+            assert isinstance(request, ChatRequest)
+            self.texts.append(request.messages[0].parts[0].text)  # type: ignore[union-attr]
+            self.any.set()
+            return await submit(request)
+
+        pipe.submit = spy  # type: ignore[method-assign]
+
+    def __enter__(self) -> Submitted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._pipe.submit  # the class's method again
+
+
+def status(reply: Reply | StreamReply) -> int:
+    assert isinstance(reply, Reply)
+    return reply.status
+
+
+async def test_admissions_wait_for_the_turn_and_take_it_in_arrival_order(pipe: Pipeline) -> None:
+    api, turns = Api(pipe), pipe.preparation.loop_turns
+    statuses: list[int] = []
+
+    async def post(text: str) -> None:
+        statuses.append(status(await api.chat_completions(body(text))))
+
+    with Submitted(pipe) as submitted, anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await turns.acquire()
+            for text in ("first", "second", "third"):
+                tg.start_soon(post, text)
+            await anyio.wait_all_tasks_blocked()
+            assert submitted.texts == [] and turns.statistics().tasks_waiting == 3
+            turns.release()
+    assert submitted.texts == ["first", "second", "third"]
+    assert statuses == [200] * 3
+    await assert_released(pipe)
+
+
+async def test_a_request_cancelled_while_it_waits_for_the_turn_holds_nothing(pipe: Pipeline) -> None:
+    api, turns = Api(pipe), pipe.preparation.loop_turns
+    with Submitted(pipe) as submitted, anyio.fail_after(60):
+        await turns.acquire()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(api.chat_completions, body("cancelled"))
+                await anyio.wait_all_tasks_blocked()
+                assert turns.statistics().tasks_waiting == 1
+                tg.cancel_scope.cancel()
+        finally:
+            turns.release()
+        assert (turns.borrowed_tokens, turns.statistics().tasks_waiting) == (0, 0)
+        assert status(await api.chat_completions(body("after"))) == 200
+    assert submitted.texts == ["after"]
+    await assert_released(pipe)
+
+
+async def test_a_prepared_request_waits_for_the_turn_before_the_engine(pipe: Pipeline) -> None:
+    api, turns = Api(pipe), pipe.preparation.loop_turns
+    replies: list[Reply | StreamReply] = []
+
+    async def post() -> None:
+        replies.append(await api.chat_completions(body("prepared")))
+
+    with Submitted(pipe) as submitted, anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post)
+            await submitted.any.wait()
+            await turns.acquire()  # once admission gave it back
+            try:
+                await pipe.wait_idle()  # out of the stages: the request waits for the turn to wrap its input
+                await anyio.wait_all_tasks_blocked()
+                assert turns.statistics().tasks_waiting == 1
+                assert not any(pipe.resources().engine.values()) and replies == []
+            finally:
+                turns.release()
+    assert [status(r) for r in replies] == [200]
+    await assert_released(pipe)
+
+
+async def test_a_request_cancelled_while_its_input_waits_for_the_turn_holds_nothing(pipe: Pipeline) -> None:
+    api, turns = Api(pipe), pipe.preparation.loop_turns
+    with Submitted(pipe) as submitted, anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(api.chat_completions, body("cancelled after admission"))
+            await submitted.any.wait()
+            await turns.acquire()
+            try:
+                await pipe.wait_idle()
+                await anyio.wait_all_tasks_blocked()
+                assert turns.statistics().tasks_waiting == 1
+                tg.cancel_scope.cancel()
+                await checkpoint()
+            finally:
+                turns.release()
+    assert (turns.borrowed_tokens, turns.statistics().tasks_waiting) == (0, 0)
+    await assert_released(pipe)
