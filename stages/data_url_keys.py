@@ -33,18 +33,26 @@ def is_data_url(url: str) -> bool:
     return url[:5].lower() == "data:"
 
 
-def _digest(text: bytes) -> bytes:
-    return hashlib.sha256(text).digest()
+# the text is encoded a slice at a time: encoding a 3 MB URL at once holds the GIL for 1-1.6 ms
+# (a fresh 3 MB buffer), and a burst's fetch steps would add those up on the loop
+_SLICE_CHARS = 256 * 1024
+
+
+def _digest(url: str) -> bytes:
+    hasher = hashlib.sha256()
+    for start in range(0, len(url), _SLICE_CHARS):
+        # surrogatepass: any str encodes, two different texts never encode alike, and the slices'
+        # encodings join to the whole text's (a str holds code points, never half of one)
+        hasher.update(url[start : start + _SLICE_CHARS].encode("utf-8", "surrogatepass"))
+    return hasher.digest()
 
 
 async def url_digest(url: str, limiter: anyio.CapacityLimiter) -> bytes:
-    """The SHA-256 of ``url``'s text, in a worker thread under ``limiter`` when it is large (hashlib
-    releases the GIL while it works); a cancelled caller waits for the thread."""
-    # surrogatepass: any str encodes, and two different texts never encode alike
-    text = url.encode("utf-8", "surrogatepass")
-    if len(text) <= INLINE_HASH_BYTES:
-        return _digest(text)
-    return await anyio.to_thread.run_sync(_digest, text, limiter=limiter)
+    """The SHA-256 of ``url``'s UTF-8 text, in a worker thread under ``limiter`` when it is large
+    (hashlib releases the GIL while it works); a cancelled caller waits for the thread."""
+    if len(url) <= INLINE_HASH_BYTES:
+        return _digest(url)
+    return await anyio.to_thread.run_sync(_digest, url, limiter=limiter)
 
 
 @dataclass(slots=True)

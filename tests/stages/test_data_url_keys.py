@@ -45,7 +45,8 @@ def test_other_urls(url: str) -> None:
     assert not is_data_url(url)
 
 
-@pytest.mark.parametrize("size", [100, INLINE_HASH_BYTES + 1])  # on the loop, and in a thread
+# on the loop; in a thread; in a thread, over several slices of text
+@pytest.mark.parametrize("size", [100, INLINE_HASH_BYTES + 1, 3 * INLINE_HASH_BYTES + 7])
 async def test_the_digest_is_the_sha256_of_the_whole_text(size: int) -> None:
     url = "data:image/png;base64," + "A" * size
     changed = url[:-1] + "B"  # the same text up to its last character
@@ -62,3 +63,11 @@ async def test_a_lone_surrogate_has_a_digest_of_its_own() -> None:
     limiter = anyio.CapacityLimiter(1)
     a, b = await url_digest("data:\ud800", limiter), await url_digest("data:\ud801", limiter)
     assert a != b
+
+
+async def test_the_digest_of_text_beyond_ascii_is_that_of_its_utf8() -> None:
+    # characters of 2, 3 and 4 bytes and a lone surrogate across the thread's slice boundaries
+    url = "data:image/png;base64," + "é€😀\udc80" * (INLINE_HASH_BYTES // 2)
+    expected = hashlib.sha256(url.encode("utf-8", "surrogatepass")).digest()
+    with anyio.fail_after(10):
+        assert await url_digest(url, anyio.CapacityLimiter(1)) == expected
