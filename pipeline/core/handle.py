@@ -155,11 +155,12 @@ class RequestHandle:
 
         :raises Overloaded: the engine's queue is full. :raises EngineError: a sequence failed.
         """
+        # read the clock before the add leaves: an engine process may start its prefill before submit returns
+        submitted = time.perf_counter()
         try:
             stream = self._engine.submit(inp)
         except EngineQueueFull as exc:
             raise Overloaded(str(exc), stage="engine", request_id=self.request_id) from None
-        submitted = time.perf_counter()
         tokens = 0
         try:
             async for out in stream:
