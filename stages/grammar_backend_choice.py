@@ -3,9 +3,10 @@
 - The backend comes from the spec's features (``stages.grammar_dispatch``). A spec meant for
   xgrammar is served by llguidance instead (a stand-in) when both xgrammar compile slots are taken,
   when its xgrammar compile has not finished within ``xgrammar_budget_s``, or when the request needs
-  its constraint before that (``needed``: a text-only request, cached images, preparation done):
-  llguidance compiles in milliseconds, so cheap specs and refusals answer at once while a big schema
-  compiles, and a short preparation does not wait for a compile it cannot hide. The xgrammar compile
+  its constraint before that (``needed``: the pipeline sets it at admission, whatever the
+  preparation): llguidance compiles in milliseconds, so cheap specs and refusals answer at once
+  while a big schema compiles, and no request waits for an xgrammar compile llguidance can stand
+  in for. The xgrammar compile
   goes on in the background (a thread cannot be interrupted), holding its slot, and its result
   replaces the stand-in in the cache; a stand-in served while the slots were busy is replaced the
   same way by the first cache hit that finds a slot free.
