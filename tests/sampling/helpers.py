@@ -9,6 +9,7 @@ from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
+from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
 
 # the schema of the ``json_grammar`` fixture (conftest.py)
 SCHEMA = {
@@ -62,3 +63,23 @@ def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[tuple[str, int], S
                 m.logprobs = (m.logprobs or []) + out.logprobs
             m.finish_reason, m.error, m.error_kind = out.finish_reason, out.error, out.error_kind
     raise AssertionError("the engine did not become idle")
+
+
+def scheduler_steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...]]:
+    """Run ``num_steps`` of ``scheduler``'s steps as the engine would (K/V computed, a token sampled
+    where one is): ("prefill", seq, start, end) and ("decode", seqs...) in order."""
+    ran: list[tuple[Any, ...]] = []
+    for _ in range(num_steps):
+        step = scheduler.schedule().step
+        if isinstance(step, PrefillStep):
+            ran.append(("prefill", step.seq.seq_id, step.start, step.end))
+            step.seq.num_computed = step.end
+            if step.is_last_chunk:
+                step.seq.output_ids.append(1)
+        else:
+            assert isinstance(step, DecodeStep)
+            ran.append(("decode", *(s.seq_id for s in step.seqs)))
+            for s in step.seqs:
+                s.num_computed = s.num_tokens
+                s.output_ids.append(1)
+    return ran

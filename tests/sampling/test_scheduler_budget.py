@@ -7,8 +7,9 @@ from typing import Any
 
 from sampling.kv_cache import BlockAllocator
 from sampling.params import SamplingParams
-from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
+from sampling.scheduler import Scheduler
 from sampling.sequence import Sequence
+from tests.sampling.helpers import scheduler_steps
 
 IMG = 7
 BLOCK = 4
@@ -32,31 +33,11 @@ def _scheduler(chunk_tokens: int = 16, with_decodes: int | None = 4, atomic: boo
     )
 
 
-def _steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...]]:
-    """Run ``num_steps`` steps as the engine would (K/V computed, a token sampled where one is):
-    ("prefill", seq, start, end) and ("decode", seqs...) in order."""
-    ran: list[tuple[Any, ...]] = []
-    for _ in range(num_steps):
-        step = scheduler.schedule().step
-        if isinstance(step, PrefillStep):
-            ran.append(("prefill", step.seq.seq_id, step.start, step.end))
-            step.seq.num_computed = step.end
-            if step.is_last_chunk:
-                step.seq.output_ids.append(1)
-        else:
-            assert isinstance(step, DecodeStep)
-            ran.append(("decode", *(s.seq_id for s in step.seqs)))
-            for s in step.seqs:
-                s.num_computed = s.num_tokens
-                s.output_ids.append(1)
-    return ran
-
-
 def _decoding(scheduler: Scheduler) -> Sequence:
     """A sequence prefilled and decoding, its prefill step and first decode run."""
     seq = _seq(0, [1, 2, 3])
     scheduler.add(seq)
-    assert _steps(scheduler, 1) == [("prefill", 0, 0, 3)]
+    assert scheduler_steps(scheduler, 1) == [("prefill", 0, 0, 3)]
     return seq
 
 
@@ -64,7 +45,7 @@ def test_while_a_sequence_decodes_a_prompt_is_prefilled_in_chunks_of_the_budget(
     scheduler = _scheduler()
     _decoding(scheduler)
     scheduler.add(_seq(1, list(range(20, 30))))  # 10 tokens: one chunk of 16 alone, three of 4 beside a decode
-    assert _steps(scheduler, 7) == [
+    assert scheduler_steps(scheduler, 7) == [
         ("decode", 0),
         ("prefill", 1, 0, 4),
         ("decode", 0),
@@ -79,7 +60,7 @@ def test_with_nothing_decoding_a_prompt_takes_the_full_chunk() -> None:
     scheduler = _scheduler()
     scheduler.add(_seq(1, list(range(20, 30))))
     scheduler.add(_seq(2, list(range(20, 40))))  # 20 tokens: the first decodes by its second chunk
-    assert _steps(scheduler, 5) == [
+    assert scheduler_steps(scheduler, 5) == [
         ("prefill", 1, 0, 10),
         ("decode", 1),
         ("prefill", 2, 0, 4),
@@ -92,21 +73,26 @@ def test_without_a_budget_the_chunk_is_the_same_while_decoding() -> None:
     scheduler = _scheduler(with_decodes=None)
     _decoding(scheduler)
     scheduler.add(_seq(1, list(range(20, 50))))
-    assert _steps(scheduler, 4) == [("decode", 0), ("prefill", 1, 0, 16), ("decode", 0), ("prefill", 1, 16, 30)]
+    assert scheduler_steps(scheduler, 4) == [
+        ("decode", 0),
+        ("prefill", 1, 0, 16),
+        ("decode", 0),
+        ("prefill", 1, 16, 30),
+    ]
 
 
 def test_a_budget_over_the_chunk_is_the_chunk() -> None:
     scheduler = _scheduler(chunk_tokens=4, with_decodes=16)
     _decoding(scheduler)
     scheduler.add(_seq(1, list(range(20, 30))))
-    assert _steps(scheduler, 4) == [("decode", 0), ("prefill", 1, 0, 4), ("decode", 0), ("prefill", 1, 4, 8)]
+    assert scheduler_steps(scheduler, 4) == [("decode", 0), ("prefill", 1, 0, 4), ("decode", 0), ("prefill", 1, 4, 8)]
 
 
 def test_an_image_span_longer_than_the_budget_goes_whole_in_its_own_chunk() -> None:
     scheduler = _scheduler(atomic=True)
     _decoding(scheduler)
     scheduler.add(_seq(1, [1, 2, *[IMG] * 6, 3, 4, 5]))  # the span [2, 8) is longer than the budget of 4
-    assert _steps(scheduler, 6) == [
+    assert scheduler_steps(scheduler, 6) == [
         ("decode", 0),
         ("prefill", 1, 0, 2),  # would end inside the span: ends at its start
         ("decode", 0),

@@ -10,8 +10,9 @@ import pytest
 
 from sampling.kv_cache import BlockAllocator
 from sampling.params import SamplingParams
-from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
+from sampling.scheduler import Scheduler
 from sampling.sequence import Sequence
+from tests.sampling.helpers import scheduler_steps
 
 IMG = 7
 BLOCK = 4
@@ -37,31 +38,11 @@ def _scheduler(every: int, num_blocks: int = 64, atomic: bool = False) -> Schedu
     )
 
 
-def _steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...]]:
-    """Run ``num_steps`` steps as the engine would (K/V computed, a token sampled where one is):
-    ("prefill", seq, start, end) and ("decode", seqs...) in order."""
-    ran: list[tuple[Any, ...]] = []
-    for _ in range(num_steps):
-        step = scheduler.schedule().step
-        if isinstance(step, PrefillStep):
-            ran.append(("prefill", step.seq.seq_id, step.start, step.end))
-            step.seq.num_computed = step.end
-            if step.is_last_chunk:
-                step.seq.output_ids.append(1)
-        else:
-            assert isinstance(step, DecodeStep)
-            ran.append(("decode", *(s.seq_id for s in step.seqs)))
-            for s in step.seqs:
-                s.num_computed = s.num_tokens
-                s.output_ids.append(1)
-    return ran
-
-
 def _decoding(scheduler: Scheduler, seq_id: int = 0) -> Sequence:
     """A sequence prefilled alone (nothing decodes: no holding) and now decoding."""
     seq = _seq(seq_id, [1, 2, 3])
     scheduler.add(seq)
-    assert _steps(scheduler, 1) == [("prefill", seq_id, 0, 3)]
+    assert scheduler_steps(scheduler, 1) == [("prefill", seq_id, 0, 3)]
     return seq
 
 
@@ -72,7 +53,7 @@ def test_a_chunked_prefill_beside_a_decode_waits_the_decode_steps_between_chunks
     scheduler = _scheduler(every=3)
     _decoding(scheduler)
     scheduler.add(_seq(1, list(range(20, 30))))  # 10 tokens: three chunks of 4 beside a decode
-    assert _steps(scheduler, 13) == [
+    assert scheduler_steps(scheduler, 13) == [
         *[D0] * 3,
         ("prefill", 1, 0, 4),
         *[D0] * 3,
@@ -96,14 +77,14 @@ def test_each_waiting_sequence_is_admitted_after_exactly_the_bound(every: int) -
     for i in range(1, 5):
         expected += [("decode", *running)] * every + [("prefill", i, 0, 3)]
         running.append(i)
-    assert _steps(scheduler, 4 * (every + 1) + 1) == [*expected, ("decode", 0, 1, 2, 3, 4)]
+    assert scheduler_steps(scheduler, 4 * (every + 1) + 1) == [*expected, ("decode", 0, 1, 2, 3, 4)]
 
 
 def test_nothing_decoding_nothing_is_held() -> None:
     scheduler = _scheduler(every=4)
     scheduler.add(_seq(1, list(range(20, 60))))  # 40 tokens: three full chunks, back to back
     scheduler.add(_seq(2, list(range(20, 30))))
-    assert _steps(scheduler, 8) == [
+    assert scheduler_steps(scheduler, 8) == [
         ("prefill", 1, 0, 16),
         ("prefill", 1, 16, 32),
         ("prefill", 1, 32, 40),
@@ -116,9 +97,9 @@ def test_a_held_prefill_runs_at_once_when_the_decodes_finish() -> None:
     scheduler = _scheduler(every=4)
     seq = _decoding(scheduler)
     scheduler.add(_seq(1, list(range(20, 30))))
-    assert _steps(scheduler, 1) == [D0]
+    assert scheduler_steps(scheduler, 1) == [D0]
     scheduler.release(seq)  # finished (or aborted): nothing decodes, so the whole prompt at once
-    assert _steps(scheduler, 2) == [("prefill", 1, 0, 10), ("decode", 1)]
+    assert scheduler_steps(scheduler, 2) == [("prefill", 1, 0, 10), ("decode", 1)]
 
 
 def test_aborting_a_held_sequence_gives_its_turn_to_the_next() -> None:
@@ -127,9 +108,9 @@ def test_aborting_a_held_sequence_gives_its_turn_to_the_next() -> None:
     held = _seq(1, [5, 5, 5])
     scheduler.add(held)
     scheduler.add(_seq(2, [6, 6, 6]))
-    assert _steps(scheduler, 2) == [D0, D0]
+    assert scheduler_steps(scheduler, 2) == [D0, D0]
     scheduler.release(held)  # aborted while held: the cadence goes on, 2 takes the slot that was 1's
-    assert _steps(scheduler, 3) == [D0, ("prefill", 2, 0, 3), ("decode", 0, 2)]
+    assert scheduler_steps(scheduler, 3) == [D0, ("prefill", 2, 0, 3), ("decode", 0, 2)]
     assert not scheduler.waiting
 
 
@@ -139,9 +120,9 @@ def test_aborting_a_sequence_between_its_chunks_frees_the_slot_for_the_next() ->
     long = _seq(1, list(range(20, 30)))
     scheduler.add(long)
     scheduler.add(_seq(2, [6, 6, 6]))
-    assert _steps(scheduler, 4) == [D0, D0, ("prefill", 1, 0, 4), D0]
+    assert scheduler_steps(scheduler, 4) == [D0, D0, ("prefill", 1, 0, 4), D0]
     scheduler.release(long)
-    assert _steps(scheduler, 4) == [D0, ("prefill", 2, 0, 3), ("decode", 0, 2), ("decode", 0, 2)]
+    assert scheduler_steps(scheduler, 4) == [D0, ("prefill", 2, 0, 3), ("decode", 0, 2), ("decode", 0, 2)]
     assert scheduler.allocator.num_free == 64 - 3 - 2  # 1's block is back; 0 holds 9 tokens' K/V, 2 holds 5
 
 
@@ -152,16 +133,16 @@ def test_a_preempted_sequence_is_recomputed_at_the_cadence() -> None:
     _decoding(scheduler)
     newest = _seq(1, [4, 4, 4])
     scheduler.add(newest)
-    ran = _steps(scheduler, 8)
+    ran = scheduler_steps(scheduler, 8)
     assert ran == [D0, D0, ("prefill", 1, 0, 3), *[("decode", 0, 1)] * 5]
     # 0 has 3 + 7 tokens, 1 has 3 + 6: 3 + 2 blocks of 5; 0's next token needs a third
-    assert _steps(scheduler, 1) == [D0]
+    assert scheduler_steps(scheduler, 1) == [D0]
     assert newest.num_preemptions == 1 and list(scheduler.waiting) == [newest]
     scheduler.add(_seq(2, [8, 8, 8]))  # behind the preempted one
-    assert _steps(scheduler, 1) == [D0]  # the second decode step since the last prefill
+    assert scheduler_steps(scheduler, 1) == [D0]  # the second decode step since the last prefill
     assert scheduler.release(scheduler.running[0]) is None  # 0 finishes: room, and nothing decodes
-    assert _steps(scheduler, 3) == [("prefill", 1, 0, 9), ("decode", 1), ("decode", 1)]
-    assert _steps(scheduler, 1) == [("prefill", 2, 0, 3)]
+    assert scheduler_steps(scheduler, 3) == [("prefill", 1, 0, 9), ("decode", 1), ("decode", 1)]
+    assert scheduler_steps(scheduler, 1) == [("prefill", 2, 0, 3)]
 
 
 def test_n_children_decode_with_their_parent_and_count_as_one_cadence() -> None:
@@ -170,20 +151,20 @@ def test_n_children_decode_with_their_parent_and_count_as_one_cadence() -> None:
     parent = _seq(1, [5, 5, 5, 5], n=3)
     scheduler.add(parent)
     scheduler.add(_seq(2, [6, 6, 6]))
-    assert _steps(scheduler, 3) == [D0, D0, ("prefill", 1, 0, 4)]
+    assert scheduler_steps(scheduler, 3) == [D0, D0, ("prefill", 1, 0, 4)]
     for child_id in (11, 12):  # the engine forks the prefilled parent into its siblings
         child = _seq(child_id, [5, 5, 5, 5])
         child.output_ids = list(parent.output_ids)
         scheduler.fork(parent, child)
     parent.has_forked = True
-    assert _steps(scheduler, 3) == [("decode", 0, 1, 11, 12), ("decode", 0, 1, 11, 12), ("prefill", 2, 0, 3)]
+    assert scheduler_steps(scheduler, 3) == [("decode", 0, 1, 11, 12), ("decode", 0, 1, 11, 12), ("prefill", 2, 0, 3)]
 
 
 def test_an_image_span_is_chunked_as_without_the_cadence() -> None:
     scheduler = _scheduler(every=2, atomic=True)
     _decoding(scheduler)
     scheduler.add(_seq(1, [1, 2, *[IMG] * 6, 3, 4, 5]))  # the span [2, 8) is longer than the budget of 4
-    assert _steps(scheduler, 9) == [
+    assert scheduler_steps(scheduler, 9) == [
         D0,
         D0,
         ("prefill", 1, 0, 2),  # would end inside the span: ends at its start
@@ -200,7 +181,7 @@ def test_one_step_ahead_decodes_while_a_prefill_is_held_and_declines_when_it_is_
     scheduler = _scheduler(every=3)
     seq = _decoding(scheduler)
     scheduler.add(_seq(1, [5, 5, 5]))
-    assert _steps(scheduler, 1) == [D0]  # the first of three decode steps
+    assert scheduler_steps(scheduler, 1) == [D0]  # the first of three decode steps
     seq.num_in_flight = 1  # that step's token is still in flight
     for _ in range(2):
         ahead = scheduler.schedule_ahead(lambda s: True)
@@ -210,7 +191,7 @@ def test_one_step_ahead_decodes_while_a_prefill_is_held_and_declines_when_it_is_
     assert scheduler.schedule_ahead(lambda s: True) is None  # the prefill is due: schedule() decides
     seq.num_in_flight = 0
     seq.num_computed = seq.num_tokens - 1
-    assert _steps(scheduler, 1) == [("prefill", 1, 0, 3)]
+    assert scheduler_steps(scheduler, 1) == [("prefill", 1, 0, 3)]
 
 
 def test_the_bound_must_be_at_least_one() -> None:
