@@ -5,13 +5,11 @@ mode before any decode work, and llguidance serves a new schema until xgrammar's
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
-import jsonschema
 import pytest
 
 from pipeline import PipelineConfig
@@ -20,6 +18,7 @@ from pipeline.core.remote_grammar import RemoteGrammarStage
 from pipeline.errors import GrammarError, PipelineError, RequestCancelled
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
 from tests.images import data_url, encode, image_request, make_image
+from tests.pipeline.core.test_grammar_stand_in import TEXT, guided, schema, served_by
 from tests.released import assert_released
 
 
@@ -57,31 +56,6 @@ def serving_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
 
         monkeypatch.setattr(cls, "compile", counted)
     yield counts
-
-
-def schema(name: str) -> dict[str, Any]:
-    """A schema new to the pipeline (the dispatch table gives it to xgrammar)."""
-    return {
-        "type": "object",
-        "properties": {name: {"type": "integer", "minimum": 0, "maximum": 999}, "kind": {"enum": ["a", "b"]}},
-        "required": [name, "kind"],
-        "additionalProperties": False,
-    }
-
-
-def guided(body: dict[str, Any], schema: Any) -> dict[str, Any]:
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    return {**body, "response_format": fmt, "max_tokens": 48, "temperature": 0}
-
-
-TEXT = {"messages": [{"role": "user", "content": "A number."}]}
-
-
-async def served_by(pipe: Pipeline, body: dict[str, Any], schema: dict[str, Any]) -> str | None:
-    result = await (await pipe.submit(guided(body, schema))).result()
-    assert result.finish_reason == "stop"
-    jsonschema.validate(json.loads(result.text), schema)  # the answer holds, whichever backend served
-    return result.grammar_backend
 
 
 @pytest.mark.parametrize("preparation", ["text only", "distinct image"])
