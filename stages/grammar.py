@@ -14,8 +14,6 @@ bounded, and unable to starve the server.
 
 from __future__ import annotations
 
-import copy
-
 import anyio
 from anyio.abc import TaskGroup
 
@@ -26,7 +24,7 @@ from stages.grammar_backend_choice import BackendChoice
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar_cache import GrammarCache
 from stages.grammar_limits import GrammarLimits, check_size
-from stages.grammar_types import CompiledConstraint, GrammarStats
+from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, unwrap
 
 __all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
 
@@ -99,14 +97,7 @@ class GrammarStage(BackendChoice):
 
     def cache_counters(self) -> dict[str, float]:
         """The cache's hits, misses, bytes and entries (for metrics)."""
-        return {
-            "hits": self.stats.hits,
-            "misses": self.stats.misses,
-            "evictions": self._cache.evictions,
-            "bytes": self._cache.num_bytes,
-            "bytes_bound": self._cache.max_bytes,
-            "entries": len(self._cache),
-        }
+        return cache_counters(self.stats, self._cache)
 
     async def compile(
         self, spec: GrammarSpec, *, request_id: str | None = None, needed: anyio.Event | None = None
@@ -124,7 +115,7 @@ class GrammarStage(BackendChoice):
             assert isinstance(cached, CompiledConstraint | PipelineError)
             if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
                 self._replace_stand_in(spec)
-            return self._unwrap(cached, request_id)
+            return unwrap(cached, self.name, request_id)
         self.stats.misses += 1
         try:
             check_size(spec, key, self.limits)  # before the loop walks the spec to choose a backend
@@ -142,11 +133,4 @@ class GrammarStage(BackendChoice):
                 request_id=request_id,
             )
         error = flight.error
-        return self._unwrap(error if isinstance(error, PipelineError) else flight.get(), request_id)
-
-    def _unwrap(self, result: CompiledConstraint | PipelineError, request_id: str | None) -> CompiledConstraint:
-        if isinstance(result, PipelineError):
-            error = copy.copy(result)  # one error object per request: each carries its own request id
-            error.stage, error.request_id = self.name, request_id
-            raise error
-        return result
+        return unwrap(error if isinstance(error, PipelineError) else flight.get(), self.name, request_id)

@@ -1,14 +1,18 @@
-"""The grammar stage's values: a request's compiled constraint, the reasons that make one a stand-in, the counts."""
+"""The grammar stage's values: a request's compiled constraint, the reasons that make one a stand-in, the
+counts; and what both grammar stages (``stages.grammar``, ``pipeline.core.remote_grammar``) make of them."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.errors import PipelineError
 from stages.answer_check import AnswerCheck
+from stages.grammar_cache import GrammarCache
 
-__all__ = ["SLOTS_BUSY", "STAND_IN_REASONS", "CompiledConstraint", "GrammarStats"]
+__all__ = ["SLOTS_BUSY", "STAND_IN_REASONS", "CompiledConstraint", "GrammarStats", "cache_counters", "unwrap"]
 
 # why llguidance served a spec meant for xgrammar: its grammar is replaced once xgrammar compiled it
 SLOTS_BUSY = "xgrammar compile slots busy"
@@ -37,3 +41,27 @@ class CompiledConstraint:
     check: AnswerCheck
     nbytes: int
     is_stand_in: bool = False  # llguidance's, until xgrammar's compile of the same spec replaces it
+
+
+def unwrap(result: CompiledConstraint | PipelineError, stage: str, request_id: str | None) -> CompiledConstraint:
+    """``result``, a compiled or cached verdict, for one request.
+
+    :raises PipelineError: a copy of the refusal ``result``, carrying ``stage`` and ``request_id``.
+    """
+    if isinstance(result, PipelineError):
+        error = copy.copy(result)  # one error object per request: each carries its own request id
+        error.stage, error.request_id = stage, request_id
+        raise error
+    return result
+
+
+def cache_counters(stats: GrammarStats, cache: GrammarCache[CompiledConstraint]) -> dict[str, float]:
+    """A grammar stage's cache: hits, misses, evictions, bytes and entries (for metrics)."""
+    return {
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "evictions": cache.evictions,
+        "bytes": cache.num_bytes,
+        "bytes_bound": cache.max_bytes,
+        "entries": len(cache),
+    }

@@ -16,7 +16,6 @@ limiters); ``stats.backends`` and the compile counters are the engine's, as of i
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +31,10 @@ from pipeline.core.stage_factory import grammar_limits, llguidance_backend
 from pipeline.errors import GrammarError, PipelineError
 from pipeline.types import GrammarSpec
 from stages.answer_check import AnswerCheck
-from stages.grammar import CompiledConstraint, GrammarStats
 from stages.grammar_cache import GrammarCache
 from stages.grammar_checks import CheckBuilder, precheck
 from stages.grammar_limits import GrammarLimits, check_size
+from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, unwrap
 from vision.checkpoint import Checkpoint
 
 __all__ = ["RemoteGrammarStage", "build_remote_grammar_stage"]
@@ -108,14 +107,7 @@ class RemoteGrammarStage:
 
     def cache_counters(self) -> dict[str, float]:
         """This process's cache of verdicts and checks (for metrics)."""
-        return {
-            "hits": self.stats.hits,
-            "misses": self.stats.misses,
-            "evictions": self._cache.evictions,
-            "bytes": self._cache.num_bytes,
-            "bytes_bound": self._cache.max_bytes,
-            "entries": len(self._cache),
-        }
+        return cache_counters(self.stats, self._cache)
 
     async def wait_idle(self) -> None:
         """Return once no compile runs, here or in the engine process."""
@@ -144,7 +136,7 @@ class RemoteGrammarStage:
             assert isinstance(cached, CompiledConstraint | PipelineError)
             if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
                 cached = await self._ask(spec, cached.check, request_id)  # replaced there by now?
-            return self._unwrap(cached, request_id)
+            return unwrap(cached, self.name, request_id)
         self.stats.misses += 1
         self._waiting += 1
         try:
@@ -154,7 +146,7 @@ class RemoteGrammarStage:
             if not self._waiting and self._idle is not None:
                 self._idle.set()
                 self._idle = None
-        return self._unwrap(result, request_id)
+        return unwrap(result, self.name, request_id)
 
     async def _first_compile(self, spec: GrammarSpec, request_id: str | None) -> CompiledConstraint | PipelineError:
         try:
@@ -233,13 +225,6 @@ class RemoteGrammarStage:
             )
         if not (isinstance(result, errors.DeadlineExceeded) or _is_internal(result)):
             self._cache.store(spec.key, result)  # a timeout or a fault of the engine may not recur
-        return result
-
-    def _unwrap(self, result: CompiledConstraint | PipelineError, request_id: str | None) -> CompiledConstraint:
-        if isinstance(result, PipelineError):
-            error = copy.copy(result)  # one error object per request: each carries its own request id
-            error.stage, error.request_id = self.name, request_id
-            raise error
         return result
 
 
