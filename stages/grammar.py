@@ -85,6 +85,10 @@ class GrammarStage(BackendChoice):
         assert entry is None or isinstance(entry, CompiledConstraint | PipelineError)
         return entry
 
+    def mark_used(self, spec: GrammarSpec) -> None:
+        """Count ``spec``'s cached entry as just used (a use that did not go through ``compile``)."""
+        self._cache.hit(spec.key)
+
     def counters(self) -> dict[str, float]:
         """Compile errors, timeouts, jobs in flight and seconds spent (for metrics)."""
         stats = self.stats

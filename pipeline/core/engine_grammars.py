@@ -118,9 +118,15 @@ class EngineGrammars:
 
     def cached(self, spec: GrammarSpec) -> Any | None:
         """The compiled grammar of ``spec`` if the stage's cache holds it (one dictionary read from the
-        decode loop's thread: atomic under the GIL, while the stage's loop may store beside it)."""
+        decode loop's thread: atomic under the GIL, while the stage's loop may store beside it). A
+        grammar found is a use: the serving process asks again only when its own cache misses, so
+        without it a spec in constant use would be the first evicted here."""
         entry = self.stage.lookup(spec)
-        return entry.grammar if isinstance(entry, CompiledConstraint) else None
+        if not isinstance(entry, CompiledConstraint):
+            return None
+        # on the stage's loop: reordering the cache from this thread could break an eviction's walk there
+        self._portal.start_task_soon(self.stage.mark_used, spec)
+        return entry.grammar
 
     def get(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
         """The compiled constraint of an add's spec (a cache hit: done within microseconds)."""

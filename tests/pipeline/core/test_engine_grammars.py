@@ -64,3 +64,31 @@ def test_a_refused_spec_is_a_typed_verdict_naming_its_field(grammars: EngineGram
     assert grammars.cached(bad) is None
     with pytest.raises(Exception, match="regex"):
         grammars.get(bad).result(timeout=120)  # the cached refusal, raised again
+
+
+def _named(name: str) -> GrammarSpec:
+    return GrammarSpec("json_schema", {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]})
+
+
+def test_an_add_that_finds_its_grammar_counts_as_a_use_of_the_cache(
+    checkpoint: Checkpoint, sent: queue.Queue[Any]
+) -> None:
+    """A spec the serving process keeps using reaches the engine only in adds once it has its verdict:
+    new specs evict the least recently used grammar, not the one in use (as hits do in thread mode)."""
+    config = PipelineConfig(grammar_backend="llguidance")
+    grammars = EngineGrammars(config, checkpoint, send=sent.put, on_done=lambda: None)
+    try:
+        specs = [_named(f"p{i}") for i in range(5)]  # one grammar size: llguidance's estimate of equal texts
+        grammars.verdict(1, specs[0])
+        assert sent.get(timeout=120).error is None
+        size = grammars.stage.cached_bytes
+        grammars.stage._cache.max_bytes = 4 * size + size // 2  # room for four
+        for token, spec in enumerate(specs[1:4], 2):
+            grammars.verdict(token, spec)
+            assert sent.get(timeout=120).error is None
+        assert grammars.cached(specs[0]) is not None  # an add of the oldest spec
+        grammars.verdict(5, specs[4])
+        assert sent.get(timeout=120).error is None
+        assert [grammars.stage.lookup(spec) is not None for spec in specs] == [True, False, True, True, True]
+    finally:
+        grammars.close()
