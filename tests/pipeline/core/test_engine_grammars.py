@@ -39,7 +39,8 @@ def test_llguidance_answers_first_then_xgrammar_replaces_it_in_the_cache(
     first = sent.get(timeout=120)
     assert isinstance(first, GrammarVerdict) and first.token == 1 and first.error is None
     assert (first.backend, first.is_stand_in) == ("llguidance", True)
-    assert isinstance(grammars.cached(SPEC), LLGrammar)
+    # the stand-in, unless xgrammar's background compile of this small schema has landed already
+    assert isinstance(grammars.cached(SPEC), LLGrammar | xgr.CompiledGrammar)
     grammars.idle(2)
     replaced, idle = sorted((sent.get(timeout=120), sent.get(timeout=120)), key=lambda m: type(m).__name__)
     assert idle == GrammarsIdle(2)  # xgrammar's background compile has ended
