@@ -10,7 +10,7 @@ lazy lexeme, so it ends at the first trigger.
 Text that the tokenizer writes as one special token (Hermes' ``<tool_call>`` and ``</tool_call>`` in
 Qwen's tokenizers) is written as that token (``<[id]>``), never as a string: llguidance's lexer
 reads a special token as no text, so a string ``"</tool_call>"`` refused the token its mask allowed.
-A trigger is either plain text or one special token.
+A trigger is either plain text or one special token, never a part of one.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class _Lark:
         refs = [f"<[{self.special_tokens[p]}]>" if p in self.special_tokens else _string(p) for p in parts]
         return refs[0] if len(refs) == 1 else "(" + " ".join(refs) + ")"
 
+    def _ends_inside(self, text: str, at: int) -> bool:
+        """Whether position ``at`` of ``text`` falls inside one of its special tokens."""
+        return self._split is not None and any(m.start() < at < m.end() for m in self._split.finditer(text))
+
     def end(self, end: Any) -> str:
         if isinstance(end, list):
             return "(" + " | ".join(self.literal(e) for e in end) + ")" if end else '""'
@@ -124,6 +128,9 @@ class _Lark:
                 continue
             if self._split is not None and self._split.search(trigger):
                 raise NotTranslatable("triggered_tags with a trigger of text and special tokens")
+            if self._ends_inside(begin, len(trigger)):
+                # the tag's special token would be spelled in pieces: the token itself is no text
+                raise NotTranslatable("triggered_tags with a trigger that ends inside a special token")
             rules.append(f"tag_{i}_trig[lazy]: TAG_TEXT {_string(trigger)}")
             rules.append(f"tag_{i}: tag_{i}_trig " + " ".join(p for p in rest if p))
         options = " | ".join(f"tag_{i}" for i in range(len(fmt["tags"])))

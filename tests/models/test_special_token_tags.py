@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from sampling.llguidance_backend import LLGuidanceBackend
 from sampling.llguidance_matcher import LLGrammar, new_matcher
+from sampling.llguidance_tags import NotTranslatable, structural_tag_to_lark
 from tests.models.tool_requests import WEATHER, FamilyDir
 
 CALL = {"type": "json_schema", "json_schema": WEATHER}
@@ -82,3 +83,18 @@ def test_a_special_end_is_one_token_not_its_text(qwen3: tuple[Any, LLGuidanceBac
     assert not _allows(mask, tokenizer.convert_tokens_to_ids("<"))
     end = tokenizer.convert_tokens_to_ids("</tool_call>")
     assert _allows(mask, end) and matcher.accept_token(end)
+
+
+def test_a_trigger_that_ends_inside_a_special_token_is_not_translated() -> None:
+    """``<tool`` triggers a tag that begins with the special token ``<tool_call>``: llguidance would
+    take only the text spelled in pieces, never the token the model writes, so the tag stays xgrammar's."""
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": ["<tool"],
+        "tags": [{"type": "tag", "begin": "<tool_call>", "content": CALL, "end": "</tool_call>"}],
+    }
+    specials = {"<tool_call>": 3, "</tool_call>": 4}
+    with pytest.raises(NotTranslatable, match="inside a special token"):
+        structural_tag_to_lark({"type": "structural_tag", "format": fmt}, specials)
+    whole = {**fmt, "triggers": ["<tool_call>"]}
+    assert "<[3]>" in structural_tag_to_lark({"type": "structural_tag", "format": whole}, specials)
