@@ -268,11 +268,11 @@ def main(fd: int) -> None:
         checkpoint = Checkpoint(Path(spec.checkpoint_path))
         spans = SpanBuffer() if spec.trace else None
         engine = build_llm_engine(checkpoint, spec.config, device=spec.device, tracer=spans)
+        arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
+        server = EngineServer(sock, engine, spec, checkpoint, arena, spans)  # builds the grammar stage
     except Exception as exc:  # report why, then exit: the serving process's start fails with it
         sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
         return
-    arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
-    server = EngineServer(sock, engine, spec, checkpoint, arena, spans)
     server.send(Ready(os.getpid()))
     try:
         server.serve()

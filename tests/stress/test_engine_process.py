@@ -13,10 +13,12 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.api.replies import error_reply
 from pipeline.core.engine_client import ProcessEngine
+from pipeline.core.engine_factory import build_engine
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import EngineFailed
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
+from vision.checkpoint import open_checkpoint
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "ignore_eos": True}
 SHORT = {"messages": [{"role": "user", "content": "again"}], "max_tokens": 4}
@@ -110,3 +112,18 @@ async def test_adds_aborted_at_once_do_not_fill_the_engine_queue(pipe: Pipeline)
             await anyio.sleep(0.01)  # noqa: sleep-ok: polls the client's count of acked commands
         assert (await (await pipe.submit(SHORT)).result()).completion_tokens == 4
         await assert_released(pipe)
+
+
+async def test_a_grammar_setup_that_fails_is_reported_as_the_start_failure() -> None:
+    """The engine process builds its grammar stage while it starts: if that fails, the start fails with
+    the reason (its ``Fatal``), not with a bare exit code."""
+    config = PipelineConfig(engine_mode="process", num_kv_blocks=64, max_model_len=1024)
+    # past the config's own check (the serving process never builds this stage): only the engine's refuses it
+    object.__setattr__(config, "grammar_backend", "neither")
+    engine = build_engine(open_checkpoint(config.model, config.cache_dir), config, device=config.resolved_device())
+    assert isinstance(engine, ProcessEngine)
+    with anyio.fail_after(120), pytest.raises(EngineFailed) as info:
+        await engine.start()
+    assert info.value.code == "engine_failed"
+    assert "ValueError: backend must be auto, xgrammar or llguidance, got 'neither'" in info.value.message
+    assert engine.pid is None  # reaped
