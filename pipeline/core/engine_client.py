@@ -107,7 +107,7 @@ class ProcessEngine(EngineSupervisor):
         elif inp.image_embeds is not None:
             self.num_inline_adds += 1
         command = ("add", add)
-        if not self._streams:
+        if not self._owes_work():
             self._progress_at = time.monotonic()  # the hang deadline counts from the first work
         link.write(command)
         self._num_sent += 1
@@ -152,7 +152,8 @@ class ProcessEngine(EngineSupervisor):
 
     def ask(self, *command: Any) -> tuple[int, Outcome[Any]]:
         """Send ``(command[0], token, *command[1:])``; the outcome gets the engine's answer of that
-        token (``pipeline.core.remote_grammar``), or ``EngineFailed`` if the engine process dies first.
+        token (``pipeline.core.remote_grammar``), or ``EngineFailed`` if the engine process dies first
+        or sends nothing for ``step_timeout_s`` while the answer is awaited (it is then killed).
 
         :raises EngineFailed: the engine process is being started again after a failure.
         """
@@ -161,6 +162,8 @@ class ProcessEngine(EngineSupervisor):
             raise EngineFailed(
                 "the decode engine is restarting after a failure; retry", retry_after=self.retry_after_s, stage="engine"
             )
+        if not self._owes_work():
+            self._progress_at = time.monotonic()  # an answer awaited is work: the hang deadline runs
         self._num_barriers += 1
         token = self._num_barriers
         reply = self._replies[token] = Outcome()
@@ -237,6 +240,15 @@ class ProcessEngine(EngineSupervisor):
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
         deliver(self._streams, outputs)
+
+    def _owes_work(self) -> bool:
+        return bool(self._streams or self._replies)
+
+    def _fail_owed(self, error: EngineFailed) -> None:
+        super()._fail_owed(error)
+        replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            reply.fail(error)
 
     def _release_barriers(self) -> None:
         super()._release_barriers()

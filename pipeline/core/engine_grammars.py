@@ -68,6 +68,9 @@ class EngineGrammars:
         self._stop: anyio.Event | None = None
         self._needed: anyio.Event | None = None
         self._watched: set[str] = set()  # specs whose stand-in's replacement will be told
+        # tokens asked and not yet answered: added on the decode loop's thread, discarded on the stage's
+        # (set operations are atomic under the GIL)
+        self._owed: set[int] = set()
         self._host, _ = self._portal.start_task(self._run)
 
     async def _run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
@@ -85,9 +88,20 @@ class EngineGrammars:
     def _compile(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
         return self._portal.start_task_soon(lambda: self.stage.compile(spec, needed=self._needed))
 
+    @property
+    def owes(self) -> bool:
+        """Whether an answer (a verdict, ``GrammarsIdle``) is still to be sent: the decode loop says it
+        is alive meanwhile, since the serving process's hang deadline runs while it waits."""
+        return bool(self._owed)
+
+    def _answered(self, message: GrammarVerdict | GrammarsIdle) -> None:
+        self._send(message)
+        self._owed.discard(message.token)
+
     def verdict(self, token: int, spec: GrammarSpec) -> None:
         """Compile ``spec`` (or find it cached) and send its verdict; a stand-in's is followed by an
         unasked verdict (token 0) once xgrammar's compile has replaced it."""
+        self._owed.add(token)
         self._portal.start_task_soon(self._answer, token, spec)
 
     async def _answer(self, token: int, spec: GrammarSpec) -> None:
@@ -97,7 +111,7 @@ class EngineGrammars:
         except Exception as exc:
             future.set_exception(exc)
         verdict = verdict_of(token, future, self.stage)
-        self._send(verdict)
+        self._answered(verdict)
         if not verdict.is_stand_in or spec.key in self._watched:
             return
         self._watched.add(spec.key)  # one unasked verdict per replacement, however many asked
@@ -113,8 +127,9 @@ class EngineGrammars:
 
     def idle(self, token: int) -> None:
         """Send ``GrammarsIdle(token)`` once no compile runs."""
+        self._owed.add(token)
         future = self._portal.start_task_soon(self.stage.wait_idle)
-        future.add_done_callback(lambda _: self._send(GrammarsIdle(token)))
+        future.add_done_callback(lambda _: self._answered(GrammarsIdle(token)))
 
     def cached(self, spec: GrammarSpec) -> Any | None:
         """The compiled grammar of ``spec`` if the stage's cache holds it (one dictionary read from the

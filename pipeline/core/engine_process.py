@@ -18,7 +18,8 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("grammars_idle", token) ────────────▶ ◀── GrammarsIdle(token)   once no compile runs
                                         ◀──  Step(outputs of all sequences, figures, traced step spans)
                                              once per step
-                                        ◀──  Alive, after a second without a message
+                                        ◀──  Alive, after a second without a message while it
+                                             has work or compiles a grammar whose verdict is awaited
     ("stop",) ───────────────────────────▶   exits
 
 Started as ``python -c`` with ``main``, as the preparation workers are (``stages/process_pool.py`` says
@@ -155,7 +156,8 @@ class EngineServer:
         engine = self.engine
         while True:
             busy = engine.has_work()
-            timeout = 0.0 if busy else (ALIVE_EVERY_S if self._waiting else None)
+            owes = bool(self._waiting) or self.grammars.owes  # answers the serving process awaits
+            timeout = 0.0 if busy else (ALIVE_EVERY_S if owes else None)
             if not self._read(timeout):
                 return
             outputs = self._admit_compiled()
@@ -165,7 +167,7 @@ class EngineServer:
             if outputs or spans:
                 self.send(Step(outputs, self._num_read, *self._figures(), spans=spans))
             elif self._num_read != self._num_acked or (
-                (busy or self._waiting) and time.monotonic() - self._sent_at > ALIVE_EVERY_S
+                (busy or owes) and time.monotonic() - self._sent_at > ALIVE_EVERY_S
             ):
                 # commands read and no step to say so (adds aborted at once, a barrier's aborts):
                 # the serving process bounds the commands it has not seen read

@@ -3,9 +3,10 @@ when it dies or hangs (the half of ``ProcessEngine`` that keeps one running; pip
 is the half that talks to it).
 
 Faults: an engine process that dies (kill -9, out of memory, a native crash), or that makes no progress
-for ``step_timeout_s`` while it holds requests (it is then killed), fails the requests it held with
-``EngineFailed`` (503, retryable); requests submitted while a new one starts get the same; a new
-process (the model loaded again) is started in the background and serves what comes after.
+for ``step_timeout_s`` while it owes work (requests it holds, answers awaited: it is then killed), fails
+the requests it held and the answers awaited with ``EngineFailed`` (503, retryable); requests submitted
+while a new one starts get the same; a new process (the model loaded again) is started in the
+background and serves what comes after.
 ``status`` says which (``/health`` reports it).
 """
 
@@ -123,11 +124,21 @@ class EngineSupervisor:
             link.arena.close()
             link.arena = None
 
+    def _owes_work(self) -> bool:
+        """Whether the engine process owes the serving process something (the hang deadline runs)."""
+        return bool(self._streams)
+
+    def _fail_owed(self, error: EngineFailed) -> None:
+        """Fail what the lost engine process owed with ``error``."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(error)
+
     def _on_lost(self, link: EngineLink) -> None:
         if link is not self._link:
             return
-        self._release_barriers()
         if self._closing or self.status != "ok":
+            self._release_barriers()
             return
         self.status = "restarting"
         self._started = anyio.Event()
@@ -139,9 +150,8 @@ class EngineSupervisor:
             retry_after=self.retry_after_s,
             stage="engine",
         )
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.fail(error)
+        self._fail_owed(error)
+        self._release_barriers()
         if self._arena is not None:  # nobody reads the regions any more; _restart closes the arena
             self._arena.reset()
         self._held, self._stats, self._hung = {}, {}, False
@@ -175,12 +185,12 @@ class EngineSupervisor:
                 self._drop_arena(link)
 
     async def _watch(self) -> None:
-        """Kill an engine process that holds requests and has sent nothing for ``step_timeout_s``."""
+        """Kill an engine process that owes work and has sent nothing for ``step_timeout_s``."""
         while True:
             await anyio.sleep(min(1.0, self.step_timeout_s / 4))
             link = self._link
             stalled = time.monotonic() - self._progress_at > self.step_timeout_s
-            if self.status == "ok" and self._streams and stalled and link is not None and not self._hung:
+            if self.status == "ok" and self._owes_work() and stalled and link is not None and not self._hung:
                 logger.error("engine process %s made no progress for %.0f s: killed", link.pid, self.step_timeout_s)
                 self._hung = True
                 link.kill()

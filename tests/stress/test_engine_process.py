@@ -97,6 +97,40 @@ async def test_a_failed_engine_process_fails_its_requests_and_a_new_one_serves(
         await assert_released(pipe)
 
 
+@pytest.mark.parametrize("hurt", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+async def test_a_failed_engine_process_fails_the_verdicts_awaited(
+    pipe: Pipeline, monkeypatch: pytest.MonkeyPatch, hurt: signal.Signals
+) -> None:
+    """An engine process that dies or freezes while it holds no request, only a grammar's verdict
+    awaited, fails that request with ``engine_failed`` (a frozen one at the hang deadline)."""
+    engine = _engine(pipe)
+    pid, failures = engine.pid, engine.num_failures
+    assert pid is not None
+    ask = engine.ask
+
+    def hurt_then_ask(*command: object) -> object:
+        if command[0] == "grammar":
+            os.kill(pid, hurt)  # before it reads the spec: its verdict never comes
+        return ask(*command)
+
+    monkeypatch.setattr(engine, "ask", hurt_then_ask)
+    new = {"type": "object", "properties": {f"unanswered_{hurt.name}": {"type": "integer"}}}
+    guided = dict(SHORT, max_tokens=32, response_format={"type": "json_schema", "json_schema": {"schema": new}})
+    with anyio.fail_after(120):
+        with pytest.raises(EngineFailed) as info:
+            await (await pipe.submit(guided)).result()
+        monkeypatch.undo()
+        error = info.value
+        assert error.status == 503 and error.code == "engine_failed" and error.stage == "engine"
+        assert ("made no progress" in error.message) == (hurt == signal.SIGSTOP)
+        await wait_gone(pid)
+        await engine.wait_started()
+        assert engine.num_failures == failures + 1
+        # the verdict was not kept: the new engine process compiles the spec
+        assert (await (await pipe.submit(guided)).result()).finish_reason in ("stop", "length")
+        await assert_released(pipe)
+
+
 async def test_adds_aborted_at_once_do_not_fill_the_engine_queue(pipe: Pipeline) -> None:
     """Adds the engine reads together with their aborts give it no step to report; it still says it
     read them, so the serving process's bound on unread commands does not fill up for good."""
