@@ -87,10 +87,6 @@ class PipelineConfig:
     # -- grammar --
     grammar_cache_bytes: int = 512 * 1024 * 1024  # compiled grammars (and cached errors), least recent out
     grammar_max_concurrent_compiles: int = 2  # per backend
-    # A spec meant for xgrammar whose compile has not finished by then is compiled by llguidance
-    # (p50 1.5 ms, p90 10 ms on the dev corpus; xgrammar: p50 22 ms, p90 1-2 s) and served with it;
-    # the xgrammar compile finishes in the background and serves the requests after it.
-    grammar_xgrammar_budget_s: float = 0.05
     # "auto": each request's backend from its features (stages/grammar_dispatch.py); "xgrammar" or
     # "llguidance" forces one (llguidance where it can compile the kind), for benchmarks and operators
     grammar_backend: str = "auto"
@@ -232,7 +228,7 @@ class PipelineConfig:
             "engine_step_timeout_s",
             "engine_start_timeout_s",
         )
-        for name in (*timeouts, "grammar_xgrammar_budget_s"):
+        for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be positive")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -56,8 +56,6 @@ class PreparedRequest:
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
     mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
-    # set at admission: the request waits for no xgrammar compile that llguidance can stand in for
-    grammar_needed: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +112,10 @@ class Preparation:
         # each). A burst makes a hundred of them ready at once, and the loop runs every ready step
         # before it polls again, so /health waited for all of them; with one turn, one per iteration.
         self.loop_turns = anyio.CapacityLimiter(1)
+        # set for good: every request needs its constraint from admission on, so none waits for an
+        # xgrammar compile that llguidance can stand in for (see ``admit``)
+        self._grammar_needed = anyio.Event()
+        self._grammar_needed.set()
         self._tg: TaskGroup | None = None
 
     async def start_workers(self) -> None:
@@ -133,7 +135,6 @@ class Preparation:
             # (at the lowest priority) for later ones, whatever the preparation: measured with
             # ``bench compile``, waiting for xgrammar behind a distinct image's preparation cost more
             # (its compile competes with decode and encode for 2 cores) than llguidance's masks
-            job.payload.grammar_needed.set()
             self._tg.start_soon(self._compile_grammar, job)
         else:
             job.payload.grammar.set_result(None)
@@ -241,7 +242,7 @@ class Preparation:
         assert spec is not None
         started = time.perf_counter()
         try:
-            constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=prep.grammar_needed)
+            constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=self._grammar_needed)
             prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:
             prep.grammar.fail(exc.bind(stage="grammar", request_id=job.request_id))
@@ -277,7 +278,6 @@ class Preparation:
         prep = job.payload
         try:
             await job.wait()
-            prep.grammar_needed.set()
             if job.error is None:
                 await prep.grammar.wait()
             await self.loop_turns.acquire()

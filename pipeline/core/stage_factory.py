@@ -48,7 +48,6 @@ def build_grammar_stage(config: PipelineConfig, checkpoint: Checkpoint) -> Gramm
         timeout_s=config.grammar_compile_timeout_s,
         cache_bytes=config.grammar_cache_bytes,
         max_concurrent=config.grammar_max_concurrent_compiles,
-        xgrammar_budget_s=config.grammar_xgrammar_budget_s,
         backend=config.grammar_backend,
         abandon_on_shutdown=config.grammar_abandon_on_shutdown,
         limits=grammar_limits(config),

@@ -30,8 +30,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def pipe() -> AsyncIterator[Pipeline]:
-    # a budget no test reaches: only the request's need for its constraint ends its wait for xgrammar
-    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048, grammar_xgrammar_budget_s=60)
+    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048)
     async with Pipeline(config) as p:
         yield p
 
