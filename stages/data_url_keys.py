@@ -7,7 +7,7 @@ so one image sent by http URL and by data URL, or as two spellings of its base64
 
 Measured on a 446 KB JPEG (595 KB of base64): decoding holds the GIL for 1.7 ms plus 0.4 ms of
 whitespace handling, and the bytes' SHA-256 takes 0.3 ms more; the text's SHA-256 takes 0.4 ms and
-releases the GIL (``hash_off_loop`` runs it in a thread). SHA-256 for the reason content hashes use it
+releases the GIL (``url_digest`` runs it in a thread when it is large). SHA-256 for the reason content hashes use it
 (``stages/content_hash.py``): the key decides what is shared between requests, so a crafted text must
 not collide with another user's.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import anyio
 
-from stages.content_hash import INLINE_HASH_BYTES
+from stages.content_hash import off_loop_when_large
+from stages.encoder_cache import CacheStats
 
-__all__ = ["DEFAULT_MAX_ENTRIES", "DataUrlKeys", "KeyStats", "is_data_url", "url_digest"]
+__all__ = ["DEFAULT_MAX_ENTRIES", "DataUrlKeys", "is_data_url", "url_digest"]
 
 # ~200 bytes each (a 32-byte key, a 64-character hash, the LRU links): 16,384 entries hold ~3 MB
 DEFAULT_MAX_ENTRIES = 16_384
@@ -48,21 +48,8 @@ def _digest(url: str) -> bytes:
 
 
 async def url_digest(url: str, limiter: anyio.CapacityLimiter) -> bytes:
-    """The SHA-256 of ``url``'s UTF-8 text, in a worker thread under ``limiter`` when it is large
-    (hashlib releases the GIL while it works); a cancelled caller waits for the thread."""
-    if len(url) <= INLINE_HASH_BYTES:
-        return _digest(url)
-    return await anyio.to_thread.run_sync(_digest, url, limiter=limiter)
-
-
-@dataclass(slots=True)
-class KeyStats:
-    """Lookups that found a content hash (no decode) and those that did not, and entries held."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    entries: int = 0
+    """The SHA-256 of ``url``'s UTF-8 text, off the loop when it is large (``off_loop_when_large``)."""
+    return await off_loop_when_large(_digest, url, len(url), limiter)
 
 
 class DataUrlKeys:
@@ -72,7 +59,7 @@ class DataUrlKeys:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
-        self.stats = KeyStats()
+        self.stats = CacheStats()  # hits: no decode; the byte fields stay 0
         self._entries: OrderedDict[bytes, str] = OrderedDict()
 
     def get(self, digest: bytes) -> str | None:

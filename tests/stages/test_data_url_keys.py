@@ -8,7 +8,8 @@ import anyio
 import pytest
 
 from stages.content_hash import INLINE_HASH_BYTES
-from stages.data_url_keys import DataUrlKeys, KeyStats, is_data_url, url_digest
+from stages.data_url_keys import DataUrlKeys, is_data_url, url_digest
+from stages.encoder_cache import CacheStats
 
 
 def test_least_recently_used_leaves_first() -> None:
@@ -18,7 +19,7 @@ def test_least_recently_used_leaves_first() -> None:
     assert keys.get(b"a") == "hash-a"  # now b is the least recently used
     keys.put(b"c", "hash-c")
     assert [keys.get(k) for k in (b"a", b"b", b"c")] == ["hash-a", None, "hash-c"]
-    assert keys.stats == KeyStats(hits=3, misses=1, evictions=1, entries=2)
+    assert keys.stats == CacheStats(hits=3, misses=1, evictions=1, entries=2)
 
 
 def test_a_put_again_refreshes_its_entry() -> None:
