@@ -33,14 +33,13 @@ from vision.checkpoint import Checkpoint
 __all__ = ["EngineGrammars", "verdict_of"]
 
 
-def verdict_of(token: int, future: Future[CompiledConstraint], stage: GrammarStage) -> GrammarVerdict:
-    """The message that answers grammar command ``token`` once its compile ``future`` is done."""
+def verdict_of(token: int, outcome: CompiledConstraint | BaseException, stage: GrammarStage) -> GrammarVerdict:
+    """The message that answers grammar command ``token`` with its compile's ``outcome``."""
     stats = stage.stats
     figures: dict[str, Any] = {"compiles": dict(stats.backends), "counters": stage.counters()}
-    error = future.exception()
-    if error is None:
-        c = future.result()
-        return GrammarVerdict(token, c.backend, c.reason, c.is_stand_in, **figures)
+    if isinstance(outcome, CompiledConstraint):
+        return GrammarVerdict(token, outcome.backend, outcome.reason, outcome.is_stand_in, **figures)
+    error = outcome
     if not isinstance(error, PipelineError):
         error = PipelineError(f"internal error ({type(error).__name__})")
     keywords = error.keywords if isinstance(error, UnsupportedSchemaError) else []
@@ -105,12 +104,12 @@ class EngineGrammars:
         self._portal.start_task_soon(self._answer, token, spec)
 
     async def _answer(self, token: int, spec: GrammarSpec) -> None:
-        future: Future[CompiledConstraint] = Future()
+        outcome: CompiledConstraint | BaseException
         try:
-            future.set_result(await self.stage.compile(spec, needed=self._needed))
+            outcome = await self.stage.compile(spec, needed=self._needed)
         except Exception as exc:
-            future.set_exception(exc)
-        verdict = verdict_of(token, future, self.stage)
+            outcome = exc
+        verdict = verdict_of(token, outcome, self.stage)
         self._answered(verdict)
         if not verdict.is_stand_in or spec.key in self._watched:
             return
@@ -121,9 +120,7 @@ class EngineGrammars:
             self._watched.discard(spec.key)
         entry = self.stage.lookup(spec)
         if isinstance(entry, CompiledConstraint) and not entry.is_stand_in:
-            done: Future[CompiledConstraint] = Future()
-            done.set_result(entry)
-            self._send(msgspec.structs.replace(verdict_of(0, done, self.stage), key=spec.key))
+            self._send(msgspec.structs.replace(verdict_of(0, entry, self.stage), key=spec.key))
 
     def idle(self, token: int) -> None:
         """Send ``GrammarsIdle(token)`` once no compile runs."""
