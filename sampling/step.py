@@ -80,8 +80,9 @@ class StepParts:
     def run(self, step: PrefillStep | DecodeStep) -> list[SeqOutput]:
         """Launch, sample and commit one step; a step that raises fails its sequences alone."""
         timing = StepTiming("prefill" if isinstance(step, PrefillStep) else "decode", 0)
+        observed = self.record_timeline or self.tracer is not None  # the CPU clock only when read
         timing.tokens = step.end - step.start if isinstance(step, PrefillStep) else len(step.seqs)
-        started, cpu_started = time.perf_counter(), time.thread_time()
+        started, cpu_started = time.perf_counter(), time.thread_time() if observed else 0.0
         try:
             seqs, logits, filled = self.launch(step, timing)
             outputs: list[SeqOutput] = []
@@ -97,7 +98,8 @@ class StepParts:
             return self.fail_step([step.seq] if isinstance(step, PrefillStep) else step.seqs, exc)
         ended = time.perf_counter()
         timing.total = ended - started
-        timing.cpu = time.thread_time() - cpu_started
+        if observed:
+            timing.cpu = time.thread_time() - cpu_started
         self.record(timing, started, ended)
         return outputs
 
