@@ -23,7 +23,7 @@ import anyio
 from pipeline.outcome import Mailbox
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
-from sampling.timeline import StepTiming
+from sampling.timeline import StepTiming, steps_since
 
 __all__ = [
     "Add",
@@ -198,7 +198,7 @@ class AsyncEngine:
     async def step_timeline(self, since: float = 0.0) -> list[StepTiming]:
         """The engine's steps that began at ``since`` (``time.perf_counter()``) or later, with
         ``record_timeline`` (a snapshot: the engine thread appends meanwhile)."""
-        return [t for t in list(self.engine.timeline) if t.start >= since]
+        return steps_since(self.engine.timeline, since)
 
     @property
     def num_running(self) -> int:

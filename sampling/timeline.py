@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StepTiming"]
+__all__ = ["StepTiming", "steps_since"]
 
 
 @dataclass(slots=True)
@@ -35,3 +35,9 @@ class StepTiming:
     # synchronous loop: the step's wall time after scheduling; one step ahead: the time since the step
     # before it was committed (the cadence a stream sees, what TPOT measures)
     total: float = 0.0
+
+
+def steps_since(timeline: list[StepTiming], since: float) -> list[StepTiming]:
+    """The steps of ``timeline`` that began at ``since`` or later (from a snapshot: the stepping thread
+    may append meanwhile)."""
+    return [t for t in list(timeline) if t.start >= since]

@@ -62,6 +62,7 @@ from pipeline.core.engine_wire import (
 from sampling.async_engine import decoding_stats, prefix_figures
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
+from sampling.timeline import steps_since
 from vision.checkpoint import Checkpoint
 from vision.child_process import die_with_parent
 
@@ -207,7 +208,7 @@ class EngineServer:
             self.grammars.idle(command[1])
         elif kind == "timeline":
             since = command[2]
-            self.send(StepTimeline(command[1], [t for t in self.engine.timeline if t.start >= since]))
+            self.send(StepTimeline(command[1], steps_since(self.engine.timeline, since)))
         elif kind == "stop":
             return False
         return True
