@@ -21,6 +21,7 @@ import anyio
 from yarl import URL
 
 from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge
+from stages.data_url_keys import is_data_url
 from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, Resolver, SystemResolver
 
 __all__ = ["FetchStage"]
@@ -36,7 +37,7 @@ _ACCEPTED_TYPES = ("application/octet-stream",)
 
 
 def _shown(url: str) -> str:
-    limit = 64 if url[:5].lower() == "data:" else 256
+    limit = 64 if is_data_url(url) else 256
     return url if len(url) <= limit else url[: limit - 3] + "..."
 
 
