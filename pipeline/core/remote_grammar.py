@@ -29,6 +29,7 @@ from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.engine_wire import GrammarVerdict
 from pipeline.core.stage_factory import grammar_limits, llguidance_backend
 from pipeline.errors import GrammarError, PipelineError
+from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
 from stages.answer_check import AnswerCheck
 from stages.grammar_cache import GrammarCache
@@ -135,7 +136,7 @@ class RemoteGrammarStage:
             self.stats.hits += 1
             assert isinstance(cached, CompiledConstraint | PipelineError)
             if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
-                cached = await self._ask(spec, cached.check, request_id)  # replaced there by now?
+                cached = await self._ask(spec, cached.check)  # replaced there by now?
             return unwrap(cached, self.name, request_id)
         self.stats.misses += 1
         self._waiting += 1
@@ -158,14 +159,13 @@ class RemoteGrammarStage:
         token, reply = self.engine.ask("grammar", spec)
         try:
             checked = await anyio.to_thread.run_sync(self._check, spec, limiter=self.limiter)
-            if isinstance(checked, _Refused):
-                self.engine.forget(token)
-                return self._refused(spec, checked.error)
-            await reply.wait()
         except BaseException:
             self.engine.forget(token)
             raise
-        return self._settle(spec, reply.get(), checked)
+        if isinstance(checked, _Refused):
+            self.engine.forget(token)
+            return self._refused(spec, checked.error)
+        return await self._verdict(spec, token, reply, checked)
 
     def _check(self, spec: GrammarSpec) -> AnswerCheck | GrammarError | _Refused:
         """The answer check of ``spec`` (or why it cannot be built), or ``precheck``'s refusal."""
@@ -183,8 +183,14 @@ class RemoteGrammarStage:
         self._cache.store(spec.key, error)
         return error
 
-    async def _ask(self, spec: GrammarSpec, check: AnswerCheck, request_id: str | None) -> Any:
+    async def _ask(self, spec: GrammarSpec, check: AnswerCheck) -> CompiledConstraint | PipelineError:
         token, reply = self.engine.ask("grammar", spec)
+        return await self._verdict(spec, token, reply, check)
+
+    async def _verdict(
+        self, spec: GrammarSpec, token: int, reply: Outcome[Any], check: AnswerCheck | GrammarError
+    ) -> CompiledConstraint | PipelineError:
+        """Wait for the engine's answer to ``token`` (forgotten if the caller leaves) and settle it."""
         try:
             await reply.wait()
         except BaseException:
