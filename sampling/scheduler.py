@@ -199,7 +199,7 @@ class Scheduler:
         ``keep`` keeps, its blocks grown for that token's K/V. None when only ``schedule()`` can decide
         (a prefill to run, a sequence to fail, room to make by preempting, nothing to decode)."""
         decoding = [s for s in self.running if not s.is_prefilling]
-        if self._would_prefill() or any(s.num_in_flight == 0 for s in decoding):
+        if self._would_prefill(len(decoding)) or any(s.num_in_flight == 0 for s in decoding):
             return None
         seqs = [s for s in decoding if keep(s)]
         if not seqs or sum(self._blocks_for(s, s.num_tokens_launched) for s in seqs) > self.allocator.num_free:
@@ -209,12 +209,12 @@ class Scheduler:
         self._decodes_since_prefill += 1
         return DecodeStep(seqs)
 
-    def _would_prefill(self) -> bool:
+    def _would_prefill(self, num_decoding: int) -> bool:
         """Whether ``schedule()`` would now run a prefill chunk or fail a sequence that can never fit
-        (after a decode step, whose sequences still decode)."""
-        if not self._prefill_due(any(not s.is_prefilling for s in self.running)):
+        (after a decode step, whose ``num_decoding`` running sequences still decode)."""
+        if not self._prefill_due(num_decoding > 0):
             return False
-        if any(s.is_prefilling for s in self.running):
+        if num_decoding < len(self.running):  # some running sequence is still prefilling
             return True
         if not self.waiting or len(self.running) >= self.max_running:
             return False
