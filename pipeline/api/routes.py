@@ -96,12 +96,12 @@ class Api:
 
     async def _admit(self, body: bytes) -> RequestHandle:
         """Parse ``body`` and submit it, on the loop in one of the pipeline's turns (see
-        ``Preparation.loop_turns``); a large body is parsed in a thread first, outside any turn."""
+        ``LoopTurns``); a large body is parsed in a thread first, outside any turn."""
         if len(body) >= INLINE_BODY_BYTES:
             request: ChatRequest = await self._decode(self.pipe.parse, body)
-            async with self.pipe.preparation.loop_turns:
+            async with self.pipe.loop_turns:
                 return await self.pipe.submit(request)
-        async with self.pipe.preparation.loop_turns:
+        async with self.pipe.loop_turns:
             return await self.pipe.submit(self.pipe.parse(body))
 
     # -- POST ---------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class Api:
         except PipelineError as exc:
             return error_reply(exc)
         wants_logprobs = handle.request.sampling.logprobs is not None
-        async with self.pipe.preparation.loop_turns:  # the step goes on to write the reply
+        async with self.pipe.loop_turns:  # the step goes on to write the reply
             return json_reply(
                 ChatCompletion(
                     id=f"chatcmpl-{handle.request_id}",

@@ -19,6 +19,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.engine_factory import Engine, build_engine
 from pipeline.core.handle import RequestHandle
+from pipeline.core.loop_turns import LoopTurns
 from pipeline.core.preparation import Preparation, PreparedRequest
 from pipeline.core.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
 from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
@@ -72,6 +73,7 @@ class Pipeline:
         for cache in ("encoder", "kv_prefix"):  # read at scrape time; absent while off
             self.metrics.register_cache(cache, functools.partial(self._cache_counters, cache))
         self.state = PipelineState.NEW
+        self.loop_turns = LoopTurns()  # taken by admission and replies (pipeline.api) and by ``prepared``
         self._checkpoint: Checkpoint | None = None
         self._encoder: VisionEncoder | None = None
         self._grammar: GrammarStage | RemoteGrammarStage | None = None
@@ -156,7 +158,13 @@ class Pipeline:
         await anyio.to_thread.run_sync(self._load)
         assert self._grammar is not None  # built by _load
         self._preparation = Preparation(
-            self.config, self.checkpoint, self._encoder, self._grammar, metrics=self.metrics, tracer=self.tracer
+            self.config,
+            self.checkpoint,
+            self._encoder,
+            self._grammar,
+            turns=self.loop_turns,
+            metrics=self.metrics,
+            tracer=self.tracer,
         )
         stack = self._stack
         try:

@@ -18,6 +18,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.call_check import with_calls_check
 from pipeline.core.engine_factory import check_fits
 from pipeline.core.image_steps import ImageSteps, RequestImages
+from pipeline.core.loop_turns import LoopTurns
 from pipeline.core.remote_grammar import RemoteGrammarStage
 from pipeline.core.stage_factory import (
     build_decode_stage,
@@ -77,6 +78,7 @@ class Preparation:
         encoder: VisionEncoder | None,
         grammar: GrammarStage | RemoteGrammarStage,
         *,
+        turns: LoopTurns,
         metrics: Metrics,
         tracer: Tracer | None = None,
     ) -> None:
@@ -107,11 +109,7 @@ class Preparation:
         metrics.grammar = self.grammar.counters
         metrics.register_cache("grammar", self.grammar.cache_counters)
         self.stages = self._build_stages()
-        # Turns for the serving process's longer synchronous steps on the event loop (a body's parse
-        # and admission, an engine input's wrapping and submission, a reply's encoding: 0.1-0.4 ms
-        # each). A burst makes a hundred of them ready at once, and the loop runs every ready step
-        # before it polls again, so /health waited for all of them; with one turn, one per iteration.
-        self.loop_turns = anyio.CapacityLimiter(1)
+        self.turns = turns  # the pipeline's: wrapping an engine input takes one (see ``prepared``)
         # set for good: every request needs its constraint from admission on, so none waits for an
         # xgrammar compile that llguidance can stand in for (see ``admit``)
         self._grammar_needed = anyio.Event()
@@ -158,7 +156,7 @@ class Preparation:
             "template": self.template.limiter,
             "grammar": self.grammar.limiter,
             "grammar_fast": self.grammar.fast_limiter,  # llguidance compiles and grammar parses
-            "loop_turns": self.loop_turns,
+            "loop_turns": self.turns.limiter,
         }
         if self.vision is not None:
             limiters["vision"] = self.vision.limiter
@@ -280,17 +278,19 @@ class Preparation:
             await job.wait()
             if job.error is None:
                 await prep.grammar.wait()
-            await self.loop_turns.acquire()
+            error = job.error or prep.grammar.error
+            if error is None:
+                await self.turns.acquire()
         except BaseException:
             job.cancel()
             raise
+        if error is not None:
+            raise error  # no turn: raising is not the long step the turns are for
         try:
-            if job.error is not None:
-                raise job.error
             return self._wrap(job)
         finally:
             # the caller's step goes on to the engine's submit: the next turn starts in the next iteration
-            self.loop_turns.release()
+            self.turns.release()
 
     def _wrap(self, job: Job[PreparedRequest]) -> PreparedInput:
         prep = job.payload

@@ -1,6 +1,6 @@
 """The serving process's longer synchronous steps take turns on the event loop: admission, the
-engine input's wrapping and the reply each wait for ``Preparation.loop_turns``, in arrival order,
-and a request cancelled while it waits holds nothing."""
+engine input's wrapping and the reply each wait for ``Pipeline.loop_turns``, in arrival order,
+a request cancelled while it waits holds nothing, and one that already failed takes no turn."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from pipeline.api.replies import Reply, StreamReply
 from pipeline.api.routes import Api
 from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
+from pipeline.errors import GrammarError, ImageDecodeError
 from pipeline.protocol.request import ChatRequest
+from tests.images import data_url, image_request
 from tests.released import assert_released
 
 
@@ -66,7 +68,7 @@ def status(reply: Reply | StreamReply) -> int:
 
 
 async def test_admissions_wait_for_the_turn_and_take_it_in_arrival_order(pipe: Pipeline) -> None:
-    api, turns = Api(pipe), pipe.preparation.loop_turns
+    api, turns = Api(pipe), pipe.loop_turns
     statuses: list[int] = []
 
     async def post(text: str) -> None:
@@ -78,7 +80,7 @@ async def test_admissions_wait_for_the_turn_and_take_it_in_arrival_order(pipe: P
             for text in ("first", "second", "third"):
                 tg.start_soon(post, text)
             await anyio.wait_all_tasks_blocked()
-            assert submitted.texts == [] and turns.statistics().tasks_waiting == 3
+            assert submitted.texts == [] and turns.limiter.statistics().tasks_waiting == 3
             turns.release()
     assert submitted.texts == ["first", "second", "third"]
     assert statuses == [200] * 3
@@ -86,25 +88,25 @@ async def test_admissions_wait_for_the_turn_and_take_it_in_arrival_order(pipe: P
 
 
 async def test_a_request_cancelled_while_it_waits_for_the_turn_holds_nothing(pipe: Pipeline) -> None:
-    api, turns = Api(pipe), pipe.preparation.loop_turns
+    api, turns = Api(pipe), pipe.loop_turns
     with Submitted(pipe) as submitted, anyio.fail_after(60):
         await turns.acquire()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(api.chat_completions, body("cancelled"))
                 await anyio.wait_all_tasks_blocked()
-                assert turns.statistics().tasks_waiting == 1
+                assert turns.limiter.statistics().tasks_waiting == 1
                 tg.cancel_scope.cancel()
         finally:
             turns.release()
-        assert (turns.borrowed_tokens, turns.statistics().tasks_waiting) == (0, 0)
+        assert (turns.limiter.borrowed_tokens, turns.limiter.statistics().tasks_waiting) == (0, 0)
         assert status(await api.chat_completions(body("after"))) == 200
     assert submitted.texts == ["after"]
     await assert_released(pipe)
 
 
 async def test_a_prepared_request_waits_for_the_turn_before_the_engine(pipe: Pipeline) -> None:
-    api, turns = Api(pipe), pipe.preparation.loop_turns
+    api, turns = Api(pipe), pipe.loop_turns
     replies: list[Reply | StreamReply] = []
 
     async def post() -> None:
@@ -118,7 +120,7 @@ async def test_a_prepared_request_waits_for_the_turn_before_the_engine(pipe: Pip
             try:
                 await pipe.wait_idle()  # out of the stages: the request waits for the turn to wrap its input
                 await anyio.wait_all_tasks_blocked()
-                assert turns.statistics().tasks_waiting == 1
+                assert turns.limiter.statistics().tasks_waiting == 1
                 assert not any(pipe.resources().engine.values()) and replies == []
             finally:
                 turns.release()
@@ -127,7 +129,7 @@ async def test_a_prepared_request_waits_for_the_turn_before_the_engine(pipe: Pip
 
 
 async def test_a_request_cancelled_while_its_input_waits_for_the_turn_holds_nothing(pipe: Pipeline) -> None:
-    api, turns = Api(pipe), pipe.preparation.loop_turns
+    api, turns = Api(pipe), pipe.loop_turns
     with Submitted(pipe) as submitted, anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(api.chat_completions, body("cancelled after admission"))
@@ -136,10 +138,36 @@ async def test_a_request_cancelled_while_its_input_waits_for_the_turn_holds_noth
             try:
                 await pipe.wait_idle()
                 await anyio.wait_all_tasks_blocked()
-                assert turns.statistics().tasks_waiting == 1
+                assert turns.limiter.statistics().tasks_waiting == 1
                 tg.cancel_scope.cancel()
                 await checkpoint()
             finally:
                 turns.release()
-    assert (turns.borrowed_tokens, turns.statistics().tasks_waiting) == (0, 0)
+    assert (turns.limiter.borrowed_tokens, turns.limiter.statistics().tasks_waiting) == (0, 0)
+    await assert_released(pipe)
+
+
+async def test_a_request_that_failed_in_preparation_ends_without_waiting_for_the_turn(pipe: Pipeline) -> None:
+    bad_schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 3, "maxItems": 1}},
+    }
+    bodies = [
+        {"messages": [{"role": "user", "content": "go"}], "response_format": bad_schema},  # fails its grammar
+        image_request([data_url(b"this is text, not a png")]),  # fails its decode stage
+    ]
+    turns = pipe.loop_turns
+    with anyio.fail_after(60):
+        await turns.acquire()
+        try:
+            handles = [await pipe.submit(b) for b in bodies]
+            await pipe.wait_idle()
+            await anyio.wait_all_tasks_blocked()
+            assert turns.limiter.statistics().tasks_waiting == 0
+            assert all(handle.is_done for handle in handles)
+        finally:
+            turns.release()
+    for handle, error in zip(handles, (GrammarError, ImageDecodeError), strict=True):
+        with pytest.raises(error):
+            await handle.result()
     await assert_released(pipe)
