@@ -24,7 +24,7 @@ from stages.grammar_backend_choice import BackendChoice
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar_cache import GrammarCache
 from stages.grammar_limits import GrammarLimits, check_size
-from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, unwrap
+from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, cached_entry, counted_hit, unwrap
 
 __all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
 
@@ -81,9 +81,7 @@ class GrammarStage(BackendChoice):
 
     def lookup(self, spec: GrammarSpec) -> CompiledConstraint | PipelineError | None:
         """The cached constraint (or cached error) of ``spec``, without compiling."""
-        entry = self._cache.get(spec.key)
-        assert entry is None or isinstance(entry, CompiledConstraint | PipelineError)
-        return entry
+        return cached_entry(self._cache, spec.key)
 
     def mark_used(self, spec: GrammarSpec) -> None:
         """Count ``spec``'s cached entry as just used (a use that did not go through ``compile``)."""
@@ -113,14 +111,11 @@ class GrammarStage(BackendChoice):
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
         """
         key = spec.key
-        cached = self._cache.hit(key)
+        cached = counted_hit(self.stats, self._cache, key)
         if cached is not None:
-            self.stats.hits += 1
-            assert isinstance(cached, CompiledConstraint | PipelineError)
             if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
                 self._replace_stand_in(spec)
             return unwrap(cached, self.name, request_id)
-        self.stats.misses += 1
         try:
             check_size(spec, key, self.limits)  # before the loop walks the spec to choose a backend
         except GrammarError as exc:

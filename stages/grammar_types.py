@@ -12,7 +12,16 @@ from pipeline.errors import PipelineError
 from stages.answer_check import AnswerCheck
 from stages.grammar_cache import GrammarCache
 
-__all__ = ["SLOTS_BUSY", "STAND_IN_REASONS", "CompiledConstraint", "GrammarStats", "cache_counters", "unwrap"]
+__all__ = [
+    "SLOTS_BUSY",
+    "STAND_IN_REASONS",
+    "CompiledConstraint",
+    "GrammarStats",
+    "cache_counters",
+    "cached_entry",
+    "counted_hit",
+    "unwrap",
+]
 
 # why llguidance served a spec meant for xgrammar: its grammar is replaced once xgrammar compiled it
 SLOTS_BUSY = "xgrammar compile slots busy"
@@ -53,6 +62,26 @@ def unwrap(result: CompiledConstraint | PipelineError, stage: str, request_id: s
         error.stage, error.request_id = stage, request_id
         raise error
     return result
+
+
+def cached_entry(cache: GrammarCache[CompiledConstraint], key: str) -> CompiledConstraint | PipelineError | None:
+    """The entry of ``key`` (a constraint, or a refusal), without touching its recency."""
+    entry = cache.get(key)
+    assert entry is None or isinstance(entry, CompiledConstraint | PipelineError)
+    return entry
+
+
+def counted_hit(
+    stats: GrammarStats, cache: GrammarCache[CompiledConstraint], key: str
+) -> CompiledConstraint | PipelineError | None:
+    """The entry of ``key``, now the most recently used, counted in ``stats`` as a hit (or a miss: None)."""
+    entry = cache.hit(key)
+    if entry is None:
+        stats.misses += 1
+        return None
+    stats.hits += 1
+    assert isinstance(entry, CompiledConstraint | PipelineError)
+    return entry
 
 
 def cache_counters(stats: GrammarStats, cache: GrammarCache[CompiledConstraint]) -> dict[str, float]:

@@ -35,7 +35,7 @@ from stages.answer_check import AnswerCheck
 from stages.grammar_cache import GrammarCache
 from stages.grammar_checks import CheckBuilder, precheck
 from stages.grammar_limits import GrammarLimits, check_size
-from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, unwrap
+from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, cached_entry, counted_hit, unwrap
 from vision.checkpoint import Checkpoint
 
 __all__ = ["RemoteGrammarStage", "build_remote_grammar_stage"]
@@ -93,9 +93,7 @@ class RemoteGrammarStage:
 
     def lookup(self, spec: GrammarSpec) -> CompiledConstraint | PipelineError | None:
         """The cached verdict (or refusal) of ``spec``, without asking the engine."""
-        entry = self._cache.get(spec.key)
-        assert entry is None or isinstance(entry, CompiledConstraint | PipelineError)
-        return entry
+        return cached_entry(self._cache, spec.key)
 
     def counters(self) -> dict[str, float]:
         """Compile errors, timeouts, seconds (the engine's), and verdicts awaited here (for metrics)."""
@@ -131,14 +129,11 @@ class RemoteGrammarStage:
         :raises EngineFailed: (503) the engine process is starting again after a failure.
         """
         key = spec.key
-        cached = self._cache.hit(key)
+        cached = counted_hit(self.stats, self._cache, key)
         if cached is not None:
-            self.stats.hits += 1
-            assert isinstance(cached, CompiledConstraint | PipelineError)
             if isinstance(cached, CompiledConstraint) and cached.is_stand_in:
                 cached = await self._ask(spec, cached.check)  # replaced there by now?
             return unwrap(cached, self.name, request_id)
-        self.stats.misses += 1
         self._waiting += 1
         try:
             result = await self._first_compile(spec, request_id)
