@@ -15,12 +15,12 @@ not collide with another user's.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
 import anyio
 
 from stages.content_hash import off_loop_when_large
 from stages.encoder_cache import CacheStats
+from stages.lru import Lru
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "DataUrlKeys", "is_data_url", "url_digest"]
 
@@ -60,7 +60,7 @@ class DataUrlKeys:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
         self.stats = CacheStats()  # hits: no decode; the byte fields stay 0
-        self._entries: OrderedDict[bytes, str] = OrderedDict()
+        self._entries: Lru[bytes, str] = Lru(max_entries)
 
     def get(self, digest: bytes) -> str | None:
         """The content hash of the URL whose text has ``digest``, None when not known (counted)."""
@@ -68,15 +68,10 @@ class DataUrlKeys:
         if content_hash is None:
             self.stats.misses += 1
             return None
-        self._entries.move_to_end(digest)
         self.stats.hits += 1
         return content_hash
 
     def put(self, digest: bytes, content_hash: str) -> None:
         """Remember that the URL whose text has ``digest`` decodes to bytes of ``content_hash``."""
-        self._entries[digest] = content_hash
-        self._entries.move_to_end(digest)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-            self.stats.evictions += 1
+        self.stats.evictions += self._entries.put(digest, content_hash)
         self.stats.entries = len(self._entries)

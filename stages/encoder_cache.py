@@ -16,11 +16,12 @@ preparation worker processes yet): a hit hands the tensor over without a copy be
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import anyio
 import torch
+
+from stages.lru import Lru
 
 __all__ = ["CacheStats", "EncodedImage", "EncoderCache", "Flight"]
 
@@ -71,7 +72,7 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.namespace = namespace  # model and processor settings
         self.stats = CacheStats(bytes_bound=max_bytes)
-        self._entries: OrderedDict[str, EncodedImage] = OrderedDict()
+        self._entries: Lru[str, EncodedImage] = Lru(max_bytes, lambda image: image.nbytes)
         self._flights: dict[str, Flight] = {}
 
     def _key(self, content_hash: str) -> str:
@@ -92,7 +93,6 @@ class EncoderCache:
         while True:
             entry = self._entries.get(key)
             if entry is not None:
-                self._entries.move_to_end(key)
                 self.stats.hits += 1
                 return entry
             flight = self._flights.get(key)
@@ -114,9 +114,8 @@ class EncoderCache:
         flight.value = value
         flight.done.set()
         if value.nbytes <= self.max_bytes and key not in self._entries:
-            self._entries[key] = value
-            self.stats.bytes_held += value.nbytes
-            self._evict()
+            self.stats.evictions += self._entries.put(key, value)
+            self.stats.bytes_held = self._entries.weight
             self.stats.entries = len(self._entries)
 
     def abandon(self, flight: Flight) -> None:
@@ -125,9 +124,3 @@ class EncoderCache:
         if self._flights.get(key) is flight:
             del self._flights[key]
         flight.done.set()
-
-    def _evict(self) -> None:
-        while self.stats.bytes_held > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.stats.bytes_held -= old.nbytes
-            self.stats.evictions += 1

@@ -7,8 +7,9 @@ nominal size, so the same bad spec fails the same way for free.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Generic, Protocol, TypeVar
+
+from stages.lru import Lru
 
 __all__ = ["GrammarCache", "Sized"]
 
@@ -28,39 +29,28 @@ class GrammarCache(Generic[E]):
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.num_bytes = 0
         self.evictions = 0
-        self._entries: OrderedDict[str, E | Exception] = OrderedDict()
+        self._entries: Lru[str, E | Exception] = Lru(max_bytes, _size)
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_bytes(self) -> int:
+        return self._entries.weight
+
     def get(self, key: str) -> E | Exception | None:
         """The entry of ``key`` without touching its recency."""
-        return self._entries.get(key)
+        return self._entries.peek(key)
 
     def hit(self, key: str) -> E | Exception | None:
         """The entry of ``key``, now the most recently used."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
+        return self._entries.get(key)
 
     def store(self, key: str, entry: E | Exception) -> None:
-        size = _size(entry)
-        if size > self.max_bytes // 4:
+        if _size(entry) > self.max_bytes // 4:
             return  # too big to keep: the next request compiles it again
-        self._remove(key)
-        self._entries[key] = entry
-        self.num_bytes += size
-        while self.num_bytes > self.max_bytes:
-            self._remove(next(iter(self._entries)))
-            self.evictions += 1
-
-    def _remove(self, key: str) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.num_bytes -= _size(entry)
+        self.evictions += self._entries.put(key, entry)
 
 
 def _size(entry: Sized | Exception) -> int:
