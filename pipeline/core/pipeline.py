@@ -1,11 +1,12 @@
-"""Pipeline: start/stop, admission, ``prepare()`` through the stages and ``submit()`` to the engine.
+"""Pipeline: start/stop, ``prepare()`` through the stages and ``submit()`` to the engine.
 
-What it holds is read by ``pipeline.core.snapshot``; its stages are built by ``pipeline.core.stage_factory``.
+What start() loads is ``pipeline.core.model_load``'s, the bound on requests in the stages
+``pipeline.core.admission``'s; its stages are built by ``pipeline.core.stage_factory``, and what it
+holds is read by ``pipeline.core.snapshot``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 from collections.abc import Awaitable, Callable
@@ -16,28 +17,23 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_factory import Engine, build_engine
+from pipeline.core.admission import Admission
+from pipeline.core.engine_factory import Engine
 from pipeline.core.handle import RequestHandle
 from pipeline.core.loop_turns import LoopTurns
+from pipeline.core.model_load import LoadedModel, load_model
 from pipeline.core.preparation import Preparation, PreparedRequest
-from pipeline.core.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
 from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
-from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.core.staged import Job
-from pipeline.errors import Overloaded, ShuttingDown
+from pipeline.errors import ShuttingDown
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.prometheus import MetricsExporter
 from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
-from pipeline.protocol.tool_formats import ToolFormat, tool_format
-from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
-from stages.grammar import GrammarStage
-from stages.template import single_token_id
-from vision.checkpoint import Checkpoint, open_checkpoint
+from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
 
 __all__ = ["Pipeline", "PipelineState", "Resources"]
@@ -66,7 +62,7 @@ class Pipeline:
         self.tracer = tracer
         self.with_engine = with_engine
         self.metrics = Metrics()
-        self.metrics.pending = lambda: self._pending
+        self.metrics.pending = lambda: self.num_pending
         self.metrics.running = lambda: len(self._handles)
         self.metrics.engine = self.decoding
         self._exporter = MetricsExporter(self.metrics)
@@ -74,28 +70,24 @@ class Pipeline:
             self.metrics.register_cache(cache, functools.partial(self._cache_counters, cache))
         self.state = PipelineState.NEW
         self.loop_turns = LoopTurns()  # taken by admission and replies (pipeline.api) and by ``prepared``
-        self._checkpoint: Checkpoint | None = None
-        self._encoder: VisionEncoder | None = None
-        self._grammar: GrammarStage | RemoteGrammarStage | None = None
+        self._model: LoadedModel | None = None  # checkpoint, encoder, engine, grammar stage: start() loads them
         self._preparation: Preparation | None = None
+        self._admission: Admission | None = None
         self._engine: Engine | None = None
-        self._tool_format: ToolFormat | None = None  # how the model writes tool calls: its family's, fixed at start
         self._stack = AsyncExitStack()
         self._tg: TaskGroup | None = None
-        self._pending = 0  # jobs admitted and not yet out of the stages
         self._handles: set[RequestHandle] = set()
-        self._idle = anyio.Event()
 
     # -- what start() builds -------------------------------------------------------------------
     @property
     def checkpoint(self) -> Checkpoint:
-        if self._checkpoint is None:
+        if self._model is None:
             raise RuntimeError("the pipeline is not started")
-        return self._checkpoint
+        return self._model.checkpoint
 
     @property
     def encoder(self) -> VisionEncoder | None:
-        return self._encoder
+        return self._model.encoder if self._model is not None else None
 
     @property
     def preparation(self) -> Preparation:
@@ -135,37 +127,26 @@ class Pipeline:
     # -- lifecycle ----------------------------------------------------------------------------
     def _load(self) -> None:
         """Heavy, synchronous model loading (run in a worker thread)."""
-        cfg = self.config
-        device = cfg.resolved_device()
-        self._checkpoint = ck = open_checkpoint(cfg.model, cfg.cache_dir)
-        # an architecture we cannot serve fails here, named, before anything loads
-        fmt = tool_format(family_of(ck).tool_call_format)
-        if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
-            fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
-        self._tool_format = fmt
-        self._encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
-        if self.with_engine:
-            self._engine = build_engine(ck, cfg, device=device, tracer=self.tracer)
-        if isinstance(self._engine, ProcessEngine):
-            self._grammar = build_remote_grammar_stage(cfg, ck, self._engine)  # the engine process compiles
-        else:
-            self._grammar = build_grammar_stage(cfg, ck)
+        self._model = load_model(self.config, with_engine=self.with_engine, tracer=self.tracer)
+        self._engine = self._model.engine
 
     async def __aenter__(self) -> Pipeline:
         if self.state is not PipelineState.NEW:
             raise RuntimeError(f"a pipeline starts once (it is {self.state.value})")
         self.state = PipelineState.STARTING
         await anyio.to_thread.run_sync(self._load)
-        assert self._grammar is not None  # built by _load
+        model = self._model
+        assert model is not None  # loaded by _load
         self._preparation = Preparation(
             self.config,
-            self.checkpoint,
-            self._encoder,
-            self._grammar,
+            model.checkpoint,
+            model.encoder,
+            model.grammar,
             turns=self.loop_turns,
             metrics=self.metrics,
             tracer=self.tracer,
         )
+        self._admission = Admission(self.config, self._preparation, self.metrics, self.tracer)
         stack = self._stack
         try:
             # closed in reverse: the task group (stage workers, compiles) first, then the engine,
@@ -206,7 +187,7 @@ class Pipeline:
             max_model_len=cfg.max_model_len,
             vocab_size=self.vocab_size,
             model_names=self.model_names,
-            tool_format=self._tool_format,
+            tool_format=self._model.tool_format if self._model is not None else None,
         )
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:
@@ -222,42 +203,15 @@ class Pipeline:
         )
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
-        if self.state is not PipelineState.ACCEPTING:
+        if self.state is not PipelineState.ACCEPTING or self._admission is None:
             raise ShuttingDown("the pipeline is not accepting requests", retry_after=self.config.retry_after_s)
-        if self._pending >= self.config.max_pending_requests:
-            self.metrics.requests["refused"] += 1
-            raise Overloaded(
-                f"{self._pending} requests in preparation; the limit is {self.config.max_pending_requests}",
-                retry_after=self.config.retry_after_s,
-                stage="admission",
-                request_id=request.request_id,
-            )
-        job = Job(request.request_id, PreparedRequest(request), on_leave=self._job_left)
-        try:
-            self.preparation.admit(job)
-        except anyio.WouldBlock:
-            self.metrics.requests["refused"] += 1
-            raise Overloaded(
-                "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
-            ) from None
-        self._pending += 1
-        if self.tracer is not None:
-            self.tracer.instant("admitted", request.request_id, images=len(request.images))
-        return job
-
-    def _job_left(self, job: Job[PreparedRequest]) -> None:
-        self.preparation.release(job)
-        self._pending -= 1
-        self.metrics.jobs[job.outcome.state.value] += 1
-        if self._pending == 0:
-            self._idle.set()
-            self._idle = anyio.Event()
+        return self._admission.admit(request)
 
     async def wait_idle(self) -> None:
         """Return once no request is in the stages, no grammar compile is running and no image batch
         is being encoded."""
-        if self._pending:
-            await self._idle.wait()
+        if self._admission is not None:
+            await self._admission.wait_idle()
         await self.preparation.grammar.wait_idle()
         if self.preparation.vision is not None:
             await self.preparation.vision.wait_idle()
@@ -265,7 +219,7 @@ class Pipeline:
     @property
     def num_pending(self) -> int:
         """Requests admitted whose preparation has not yet left the stages."""
-        return self._pending
+        return self._admission.num_pending if self._admission is not None else 0
 
     async def prepare(self, request: ChatRequest | dict[str, Any]) -> EngineInput:
         """Run one request through every preparation stage and join its grammar.
@@ -342,8 +296,8 @@ class Pipeline:
         engine = self._engine.status if self._engine is not None else "none"
         if status == "ok" and engine not in ("ok", "none"):
             status = f"engine {engine}"  # a new engine process is starting after a failure: a 503 meanwhile
-        return {"status": status, "engine": engine, "pending": self._pending, "decoding": self.decoding()}
+        return {"status": status, "engine": engine, "pending": self.num_pending, "decoding": self.decoding()}
 
     def resources(self) -> Resources:
         """A snapshot of everything the pipeline holds (see ``Resources.is_released``)."""
-        return resources(self.preparation, self.metrics, self._engine, self._pending, len(self._handles))
+        return resources(self.preparation, self.metrics, self._engine, self.num_pending, len(self._handles))

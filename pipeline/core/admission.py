@@ -1,0 +1,72 @@
+"""Admission: a parsed request enters the preparation stages as a job, or is refused at once when full.
+
+The ``Pipeline`` says whether it accepts at all (its state); this counts the requests in the stages
+(admitted, not yet out) against ``max_pending_requests`` and wakes ``wait_idle`` when none are left.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from pipeline.config import PipelineConfig
+from pipeline.core.preparation import Preparation, PreparedRequest
+from pipeline.core.staged import Job
+from pipeline.errors import Overloaded
+from pipeline.observability.metrics import Metrics
+from pipeline.observability.trace import Tracer
+from pipeline.protocol.request import ChatRequest
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """Jobs into ``preparation``'s first stage, at most ``config.max_pending_requests`` in the stages."""
+
+    def __init__(
+        self, config: PipelineConfig, preparation: Preparation, metrics: Metrics, tracer: Tracer | None = None
+    ) -> None:
+        self.config = config
+        self.preparation = preparation
+        self.metrics = metrics
+        self.tracer = tracer
+        self.num_pending = 0  # jobs admitted and not yet out of the stages
+        self._idle = anyio.Event()
+
+    def admit(self, request: ChatRequest) -> Job[PreparedRequest]:
+        """The job of ``request``, in the first stage and its grammar compile started.
+
+        :raises Overloaded: the stages hold ``max_pending_requests``, or the first inbox is full.
+        """
+        if self.num_pending >= self.config.max_pending_requests:
+            self.metrics.requests["refused"] += 1
+            raise Overloaded(
+                f"{self.num_pending} requests in preparation; the limit is {self.config.max_pending_requests}",
+                retry_after=self.config.retry_after_s,
+                stage="admission",
+                request_id=request.request_id,
+            )
+        job = Job(request.request_id, PreparedRequest(request), on_leave=self._job_left)
+        try:
+            self.preparation.admit(job)
+        except anyio.WouldBlock:
+            self.metrics.requests["refused"] += 1
+            raise Overloaded(
+                "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
+            ) from None
+        self.num_pending += 1
+        if self.tracer is not None:
+            self.tracer.instant("admitted", request.request_id, images=len(request.images))
+        return job
+
+    def _job_left(self, job: Job[PreparedRequest]) -> None:
+        self.preparation.release(job)
+        self.num_pending -= 1
+        self.metrics.jobs[job.outcome.state.value] += 1
+        if self.num_pending == 0:
+            self._idle.set()
+            self._idle = anyio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no admitted request is in the stages."""
+        if self.num_pending:
+            await self._idle.wait()
