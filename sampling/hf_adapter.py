@@ -129,21 +129,16 @@ class HFModelRunner(PagedRunner):
         if rope_positions is not None:
             batch.rope_positions = rope_positions.to(self.device)
         ids = torch.tensor(token_ids, device=self.device)
-        is_image = self.image_mask(ids, num_prompt_tokens)
-        if (
-            self.atomic_image_spans
-            and self.image_token_id is not None
-            and image_rows is not None
-            and image_rows.numel()
-        ):
+        is_image = self.chunk_image_mask(ids, num_prompt_tokens, image_rows)  # None: no image rows
+        if self.atomic_image_spans and self.image_token_id is not None and is_image is not None:
             batch.image_spans = image_span_ids(is_image, start)
         inputs = self._extra_inputs(is_image, extra_inputs or {})
         return self._forward(self._embed(ids, image_rows, is_image), batch, 1, **inputs)
 
-    def _extra_inputs(self, is_image: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _extra_inputs(self, is_image: torch.Tensor | None, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The language model's keyword inputs for the chunk's per-image-token rows."""
         deepstack = extra.get("deepstack_visual_embeds")
-        if deepstack is None or not deepstack.numel() or self.image_token_id is None:
+        if deepstack is None or not deepstack.numel() or self.image_token_id is None or is_image is None:
             return {}
         # Qwen3-VL: rows [image tokens, layers, hidden] -> one [image tokens, hidden] per decoder layer,
         # added to the hidden states at the image tokens (visual_pos_masks [1, N]) after that layer

@@ -63,7 +63,7 @@ class ModelRunner(PagedRunner):
         """``num_prompt_tokens``: how many of ``token_ids`` are the prompt's (see ``image_mask``)."""
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
         ids = torch.tensor(token_ids, device=self.device)
-        embeds = self._embed(ids, image_rows, self.image_mask(ids, num_prompt_tokens))
+        embeds = self._embed(ids, image_rows, self.chunk_image_mask(ids, num_prompt_tokens, image_rows))
         hidden = self.model(embeds[None], batch, self.kv_caches)
         return self.model.compute_logits(hidden[0, -1:])
 

@@ -71,10 +71,22 @@ class PagedRunner:
             is_image[max(num_prompt_tokens, 0) :] = False
         return is_image
 
-    def _embed(self, token_ids: torch.Tensor, image_rows: torch.Tensor | None, is_image: torch.Tensor) -> torch.Tensor:
+    def chunk_image_mask(
+        self, token_ids: torch.Tensor, num_prompt_tokens: int | None, image_rows: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``image_mask`` of a prefill chunk that carries image rows; None for one without (text only,
+        or past its images): nothing reads the mask there, so a text prefill builds none."""
+        if image_rows is None or not image_rows.numel():
+            return None
+        return self.image_mask(token_ids, num_prompt_tokens)
+
+    def _embed(
+        self, token_ids: torch.Tensor, image_rows: torch.Tensor | None, is_image: torch.Tensor | None
+    ) -> torch.Tensor:
         """The embeddings of ``token_ids``, each image placeholder's (``is_image``) replaced by its image row."""
         embeds = self.embed_tokens(token_ids)
         if image_rows is not None and image_rows.numel():
+            assert is_image is not None, "a chunk with image rows has its image mask"
             embeds[is_image] = image_rows.to(self.device, self.dtype)
         return embeds
 
