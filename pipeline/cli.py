@@ -115,6 +115,7 @@ async def serve(args: argparse.Namespace) -> None:
     from pipeline.api.server import create_app
     from pipeline.core.pipeline import Pipeline
     from pipeline.observability.trace import Tracer
+    from vision.heap import freeze_heap
 
     config = _config(args)
     limits = _connection_limits(args)  # refuses bad values before the model loads
@@ -123,6 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
+        freeze_heap()  # the model, the tokenizer and the stages stay: no collection walks them again
         app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
         async with listen(app, args.host, args.port, limits) as listener:
             port = listener.port

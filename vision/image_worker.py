@@ -38,6 +38,7 @@ import torch
 
 from pipeline.errors import PipelineError
 from vision.child_process import die_with_parent
+from vision.heap import freeze_heap
 from vision.preprocess import GridThw
 from vision.slab import Slab
 
@@ -129,6 +130,7 @@ def worker_main(conn: Connection, parent_pid: int, spec: ImageWorkerSpec) -> Non
     except Exception as exc:  # report why, then exit: the parent fails the job that waited
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return
+    freeze_heap()  # the processor and the encoder stay: no collection walks them again
     conn.send(("ready", os.getpid()))
     send_handle(conn, outbox.fd, parent_pid)
     while True:

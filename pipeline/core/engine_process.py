@@ -65,6 +65,7 @@ from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import steps_since
 from vision.checkpoint import Checkpoint
 from vision.child_process import die_with_parent
+from vision.heap import freeze_heap
 
 __all__ = ["EngineProcessSpec", "SpanBuffer", "figures", "main"]
 
@@ -276,6 +277,7 @@ def main(fd: int) -> None:
     except Exception as exc:  # report why, then exit: the serving process's start fails with it
         sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
         return
+    freeze_heap()  # the model and the grammar stage stay: no collection walks them again
     server.send(Ready(os.getpid()))
     try:
         server.serve()

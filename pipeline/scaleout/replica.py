@@ -48,10 +48,12 @@ class PipelineReplica:
     async def _own(self, config: PipelineConfig, ready: asyncio.Event) -> None:
         from pipeline.api.routes import Api
         from pipeline.core.pipeline import Pipeline
+        from vision.heap import freeze_heap
 
         # Serve routes to a replica once its constructor returns: by then its workers are up (a
         # started pipeline's are), so a replacement does not make its first requests wait for them
         async with Pipeline(config) as pipe:
+            freeze_heap()  # the replica's process is ours: its start's objects stay out of collections
             self.pipe, self.api = pipe, Api(pipe)
             ready.set()
             await self._stop.wait()
