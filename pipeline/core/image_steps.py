@@ -124,7 +124,9 @@ class ImageSteps:
             if flight is not None and self.cache is not None:
                 self.cache.fulfil(flight, done[h])
         images = [im if isinstance(im, EncodedImage) else done[h] for h, im in zip(out.hashes, out.images, strict=True)]
-        out.embeds = torch.cat([im.embeds for im in images])
+        # one image (the common case) is passed as it is, read-only from here on: a copy of its
+        # megabytes on the loop cost more than anything else in this step
+        out.embeds = images[0].embeds if len(images) == 1 else torch.cat([im.embeds for im in images])
         out.keys = [ImageKey(im.content_hash, im.num_patches, im.grid_thw) for im in images]
         out.images = []
 
