@@ -143,6 +143,9 @@ class StageWorkers:
         async with inbox:
             async for job in inbox:
                 await self._process(job)
+                # not kept while the worker waits for the next one: the job's payload (a prepared
+                # request's image embeddings) belongs to its requester from here on
+                del job
 
     async def _process(self, job: Job[Any]) -> None:
         if job.is_over:  # cancelled or failed while queued: leaves at this boundary
