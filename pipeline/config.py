@@ -34,9 +34,10 @@ class PipelineConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     # -- admission --
-    # Requests admitted and not yet out of the preparation stages; beyond it: Overloaded (429). This
-    # is the bound that decides: the first stage's inbox is sized to hold that many, so a burst is
-    # never refused earlier by a full inbox (the stages behind it still hold stage_queue_size each).
+    # Requests admitted and not yet out of the preparation stages, plus those prepared and waiting for
+    # room in the engine's command queue; beyond it: Overloaded (429). This is the bound that decides:
+    # the first stage's inbox is sized to hold that many, so a burst is never refused earlier by a full
+    # inbox (the stages behind it still hold stage_queue_size each), nor later by a full engine queue.
     max_pending_requests: int = 256
     retry_after_s: float = 1.0
     stage_queue_size: int = 16  # inbox of every stage after the first
@@ -139,6 +140,9 @@ class PipelineConfig:
     # (tpot-under-load) reach the engine slower than alternation allows, and show no gain: 1.
     decode_steps_per_prefill: int = 1
     default_max_tokens: int = 256
+    # commands sent to the engine and not yet read (it reads between steps): the bound of what is in
+    # flight to it, not a refusal. A prepared request that finds it full waits for room (admission
+    # counts it: max_pending_requests)
     engine_queue_size: int = 64
     # "thread": the engine's step loop on a thread of the serving process (sampling/async_engine.py);
     # "process": the engine (scheduler, model, sampler, grammar matchers) in its own process

@@ -1,6 +1,8 @@
 """AsyncEngine: the engine's step loop on its own thread, talking to the event loop through queues.
 
-Commands (``Add``, ``Barrier``, ``Stop``) go in through a bounded thread-safe queue. Aborts do not:
+Commands (``Add``, ``Barrier``, ``Stop``) go in through a bounded thread-safe queue; an add waits for
+room in it (``wait_room``: the engine thread wakes the waiters when it drains the queue, between steps)
+rather than being refused. Aborts do not:
 they go into a lock-protected set that the step loop drains before every step, so an abort never
 blocks and never waits for room (a cancellation storm of hundreds of aborts costs a set insertion
 each). An abort that overtakes its own ``Add`` in the queue marks the ``Add``, which is then
@@ -20,7 +22,9 @@ from typing import Any
 
 import anyio
 
+from pipeline.errors import ShuttingDown
 from pipeline.outcome import Mailbox
+from sampling.command_room import CommandRoom
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming, steps_since
@@ -39,7 +43,7 @@ __all__ = [
 
 
 class EngineQueueFull(Exception):
-    """The engine's command queue is full; the caller (the pipeline) turns this into ``Overloaded``."""
+    """``submit`` without room in the engine's command queue: its caller did not await ``wait_room`` first."""
 
 
 @dataclass(slots=True)
@@ -140,6 +144,12 @@ class AsyncEngine:
         self._commands: queue.Queue[Command] = queue.Queue(maxsize=queue_size)
         self._aborts: set[str] = set()
         self._aborts_lock = threading.Lock()
+        # set on the event loop by a waiter that found the queue full, taken by the engine thread
+        # once it has drained the queue: then it wakes the waiters (never otherwise: a loop wakeup per
+        # step would cost the loop and the engine the GIL)
+        self._room_wanted = False
+        self._room_lock = threading.Lock()
+        self.room = CommandRoom(self._has_room)
         self._streams: dict[str, OutputStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,14 +172,28 @@ class AsyncEngine:
     async def aclose(self) -> None:
         if self._thread is None:
             return
+        self.room.fail(ShuttingDown("the decode engine stopped before this request reached it", stage="engine"))
         await anyio.to_thread.run_sync(self._commands.put, Stop())  # waits for room: the loop drains every step
         await anyio.to_thread.run_sync(self._thread.join)
         self._thread = None
 
-    def submit(self, inp: EngineInput) -> OutputStream:
-        """Queue ``inp``; its outputs arrive on the returned stream.
+    async def wait_room(self) -> None:
+        """Return once the command queue has room for one add (first come first served); ``submit``
+        before the next ``await``. Cancellable: a caller that leaves holds nothing here."""
+        await self.room.wait()
 
-        :raises EngineQueueFull: when the command queue is full.
+    def _has_room(self) -> bool:
+        # the check and the flag under one lock: the engine thread drains, then takes the flag under it
+        with self._room_lock:
+            if not self._commands.full():
+                return True
+            self._room_wanted = True
+            return False
+
+    def submit(self, inp: EngineInput) -> OutputStream:
+        """Queue ``inp`` (``wait_room`` first); its outputs arrive on the returned stream.
+
+        :raises EngineQueueFull: the command queue is full (the caller did not wait for room).
         """
         add = Add(inp)
         stream = OutputStream(add, inp.sampling.n)
@@ -212,6 +236,7 @@ class AsyncEngine:
             "engine_requests": self.engine.num_requests,
             "engine_streams": len(self._streams),
             "kv_blocks_used": allocator.num_blocks - allocator.num_free,
+            "room_waiters": self.room.num_waiting,  # adds waiting for room in the command queue
         }
 
     def stats(self) -> dict[str, int]:
@@ -256,6 +281,7 @@ class AsyncEngine:
                 if not self._handle(command):
                     return
                 command = self._next_command(block=False)
+            self._room_made()
             self._drain_aborts()
             if not self.engine.has_work():
                 continue
@@ -263,6 +289,13 @@ class AsyncEngine:
             self.num_steps += 1
             if outputs:
                 self._call_on_loop(self._deliver, outputs)
+
+    def _room_made(self) -> None:
+        """The queue is drained: wake the adds waiting for room, if any wait."""
+        with self._room_lock:
+            wanted, self._room_wanted = self._room_wanted, False
+        if wanted:
+            self._call_on_loop(self.room.notify)
 
     def _call_on_loop(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None

@@ -1,10 +1,13 @@
 """Admission: a parsed request enters the preparation stages as a job, or is refused at once when full.
 
 The ``Pipeline`` says whether it accepts at all (its state); this counts the requests in the stages
-(admitted, not yet out) against ``max_pending_requests`` and wakes ``wait_idle`` when none are left.
+(admitted, not yet out), with the prepared requests waiting for room in the engine's command queue,
+against ``max_pending_requests`` and wakes ``wait_idle`` when none are left in the stages.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import anyio
 
@@ -20,12 +23,22 @@ __all__ = ["Admission"]
 
 
 class Admission:
-    """Jobs into ``preparation``'s first stage, at most ``config.max_pending_requests`` in the stages."""
+    """Jobs into ``preparation``'s first stage, at most ``config.max_pending_requests`` in the stages
+    and waiting for the engine together."""
 
     def __init__(
-        self, config: PipelineConfig, preparation: Preparation, metrics: Metrics, tracer: Tracer | None = None
+        self,
+        config: PipelineConfig,
+        preparation: Preparation,
+        metrics: Metrics,
+        tracer: Tracer | None = None,
+        *,
+        waiting: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
+        # prepared requests waiting for room in the engine's command queue: they count, so a slow
+        # engine's backpressure reaches admission, the one place that refuses
+        self.waiting = waiting
         self.preparation = preparation
         self.metrics = metrics
         self.tracer = tracer
@@ -35,12 +48,15 @@ class Admission:
     def admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         """The job of ``request``, in the first stage and its grammar compile started.
 
-        :raises Overloaded: the stages hold ``max_pending_requests``, or the first inbox is full.
+        :raises Overloaded: the stages and the engine's waiters hold ``max_pending_requests``, or the
+            first inbox is full.
         """
-        if self.num_pending >= self.config.max_pending_requests:
+        waiting = self.waiting()
+        if self.num_pending + waiting >= self.config.max_pending_requests:
             self.metrics.requests["refused"] += 1
+            where = f" and {waiting} waiting for the engine" if waiting else ""
             raise Overloaded(
-                f"{self.num_pending} requests in preparation; the limit is {self.config.max_pending_requests}",
+                f"{self.num_pending} requests in preparation{where}; the limit is {self.config.max_pending_requests}",
                 retry_after=self.config.retry_after_s,
                 stage="admission",
                 request_id=request.request_id,

@@ -9,9 +9,14 @@ there, as ``AsyncEngine`` hands them over once per step.
 Starting the engine process, and another after it dies or hangs, is ``EngineSupervisor``'s
 (``pipeline.core.engine_supervisor``), which ``ProcessEngine`` extends.
 
+An add waits for room first (``wait_room``): at most ``queue_size`` commands the engine has not
+acknowledged reading (it reads between steps); the acknowledgements wake the waiters, and a lost
+engine process fails them as it fails the requests it held.
+
 An add's tensors cross in the engine process's arena (``pipeline.core.engine_arena``): a region is
-taken at ``submit`` and freed when the engine acknowledges having read the add (it copies the tensors
-out then); a fault frees them all, and the new process gets a new arena.
+taken at ``submit`` (after the wait: a request waiting for room holds none) and freed when the engine
+acknowledges having read the add (it copies the tensors out then); a fault frees them all, and the new
+process gets a new arena.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pipeline.errors import EngineFailed
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Outcome
 from sampling.async_engine import Add, EngineQueueFull, OutputStream, deliver
+from sampling.command_room import CommandRoom
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
 
@@ -72,6 +78,7 @@ class ProcessEngine(EngineSupervisor):
         )
         self.tracer = tracer  # records the engine's step spans (the spec asks the process to trace)
         self.queue_size = queue_size
+        self.room = CommandRoom(self._has_room)
         self._token_table = token_table
         self._timelines: dict[int, list[StepTiming]] = {}  # answers to step_timeline(), by barrier token
         self._replies: dict[int, Outcome[Any]] = {}  # answers to ask(), by token
@@ -87,18 +94,37 @@ class ProcessEngine(EngineSupervisor):
         return self._token_table()
 
     # -- the pipeline's calls ---------------------------------------------------------------------
-    def submit(self, inp: EngineInput) -> OutputStream:
-        """Send ``inp`` to the engine; its outputs arrive on the returned stream.
+    async def wait_room(self) -> None:
+        """Return once the engine has read enough commands for one more add (first come first served);
+        ``submit`` before the next ``await``. Cancellable: a caller that leaves holds nothing here.
 
-        :raises EngineQueueFull: the engine has not read ``queue_size`` commands yet.
-        :raises EngineFailed: the engine process is being started again after a failure.
+        :raises EngineFailed: the engine process is being started again, or is lost while this waits.
         """
+        self._check_serving()
+        if not self._owes_work():
+            self._progress_at = time.monotonic()  # requests waiting are owed: the hang deadline runs
+        await self.room.wait()
+
+    def _has_room(self) -> bool:
+        return self._num_sent - self._num_acked < self.queue_size  # an acknowledgement calls notify
+
+    def _check_serving(self) -> None:
         link = self._link
         if self.status != "ok" or link is None or not link.is_open:
             raise EngineFailed(
                 "the decode engine is restarting after a failure; retry", retry_after=self.retry_after_s, stage="engine"
             )
-        if self._num_sent - self._num_acked >= self.queue_size:
+
+    def submit(self, inp: EngineInput) -> OutputStream:
+        """Send ``inp`` to the engine (``wait_room`` first); its outputs arrive on the returned stream.
+
+        :raises EngineQueueFull: the engine has not read ``queue_size`` commands yet (no ``wait_room``).
+        :raises EngineFailed: the engine process is being started again after a failure.
+        """
+        self._check_serving()
+        link = self._link
+        assert link is not None
+        if not self._has_room():
             raise EngineQueueFull("the decode engine's queue is full")
         add = encode_input(inp, self._arena)
         if add.shared is not None and self._arena is not None:
@@ -157,11 +183,9 @@ class ProcessEngine(EngineSupervisor):
 
         :raises EngineFailed: the engine process is being started again after a failure.
         """
+        self._check_serving()
         link = self._link
-        if self.status != "ok" or link is None or not link.is_open:
-            raise EngineFailed(
-                "the decode engine is restarting after a failure; retry", retry_after=self.retry_after_s, stage="engine"
-            )
+        assert link is not None
         if not self._owes_work():
             self._progress_at = time.monotonic()  # an answer awaited is work: the hang deadline runs
         self._num_barriers += 1
@@ -187,6 +211,7 @@ class ProcessEngine(EngineSupervisor):
             "kv_blocks_used": self._held.get("kv_blocks_used", 0),
             "arena_regions": self._arena.num_regions if self._arena is not None else 0,
             "engine_replies": len(self._replies),  # grammar verdicts awaited
+            "room_waiters": self.room.num_waiting,  # adds waiting for the engine to read commands
         }
 
     def stats(self) -> dict[str, int]:
@@ -233,6 +258,7 @@ class ProcessEngine(EngineSupervisor):
         self._num_acked = acked
         if self._arena is not None:
             self._arena.acked(acked)
+        self.room.notify()
 
     def _figures(self, message: Step | BarrierReached) -> None:
         self._acked(message.acked)
@@ -242,16 +268,21 @@ class ProcessEngine(EngineSupervisor):
         deliver(self._streams, outputs)
 
     def _owes_work(self) -> bool:
-        return bool(self._streams or self._replies)
+        return bool(self._streams or self._replies or self.room.num_waiting)
 
     def _fail_owed(self, error: EngineFailed) -> None:
         super()._fail_owed(error)
         replies, self._replies = self._replies, {}
         for reply in replies.values():
             reply.fail(error)
+        self.room.fail(error)  # the lost process will never read what was sent: nothing waits for it
 
     def _release_barriers(self) -> None:
         super()._release_barriers()
+        stopped = EngineFailed(
+            "the decode engine process stopped; retry", retry_after=self.retry_after_s, stage="engine"
+        )
         replies, self._replies = self._replies, {}
         for reply in replies.values():
-            reply.fail(EngineFailed("the decode engine process stopped; retry", retry_after=self.retry_after_s))
+            reply.fail(stopped)
+        self.room.fail(stopped)

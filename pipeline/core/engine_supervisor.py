@@ -12,6 +12,7 @@ background and serves what comes after.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any
@@ -132,7 +133,7 @@ class EngineSupervisor:
         """Fail what the lost engine process owed with ``error``."""
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.fail(error)
+            stream.fail(copy.copy(error))  # each its own: its request binds its id to it
 
     def _on_lost(self, link: EngineLink) -> None:
         if link is not self._link:

@@ -14,12 +14,11 @@ from pipeline.core.answer_gate import AnswerGate, resample_params
 from pipeline.core.call_split import CallSplit
 from pipeline.core.choice import Choice, Delta, Result
 from pipeline.core.preparation import PreparedInput
-from pipeline.errors import EngineError, GrammarError, Overloaded, PipelineError, RequestCancelled
+from pipeline.errors import EngineError, GrammarError, PipelineError, RequestCancelled
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Mailbox, Outcome
 from pipeline.protocol.request import ChatRequest
-from sampling.async_engine import EngineQueueFull
 from sampling.inputs import EngineInput, SeqOutput
 
 logger = logging.getLogger(__name__)
@@ -153,14 +152,14 @@ class RequestHandle:
     async def _generate(self, inp: EngineInput) -> AsyncIterator[SeqOutput]:
         """The engine's outputs for ``inp``; its sequences are aborted if the caller stops early.
 
-        :raises Overloaded: the engine's queue is full. :raises EngineError: a sequence failed.
+        :raises EngineError: a sequence failed. :raises EngineFailed: the engine process was lost.
         """
+        # Admitted and prepared, the request is not refused now: it waits (outside any loop turn) while
+        # the engine is behind on reading its commands; admission counts the waiters (Admission.admit).
+        await self._engine.wait_room()
         # read the clock before the add leaves: an engine process may start its prefill before submit returns
         submitted = time.perf_counter()
-        try:
-            stream = self._engine.submit(inp)
-        except EngineQueueFull as exc:
-            raise Overloaded(str(exc), stage="engine", request_id=self.request_id) from None
+        stream = self._engine.submit(inp)  # no await since the wait: the room is still there
         tokens = 0
         try:
             async for out in stream:

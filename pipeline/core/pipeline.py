@@ -146,7 +146,14 @@ class Pipeline:
             metrics=self.metrics,
             tracer=self.tracer,
         )
-        self._admission = Admission(self.config, self._preparation, self.metrics, self.tracer)
+        engine = self._engine
+        self._admission = Admission(
+            self.config,
+            self._preparation,
+            self.metrics,
+            self.tracer,
+            waiting=(lambda: engine.room.num_waiting) if engine is not None else lambda: 0,
+        )
         stack = self._stack
         try:
             # closed in reverse: the task group (stage workers, compiles) first, then the engine,

@@ -24,7 +24,7 @@ class Resources:
     limiter_tokens: dict[str, int]  # per stage limiter: tokens borrowed (threads and slots in use)
     queued: dict[str, int]  # per stage inbox: jobs waiting
     in_flight: dict[str, int]  # per stage: jobs a worker is on
-    engine: dict[str, int]  # engine requests, output streams, KV blocks in use
+    engine: dict[str, int]  # engine requests, output streams, KV blocks in use, adds waiting for room
 
     @property
     def is_released(self) -> bool:
