@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=32, help="max_pending_requests of the pipeline")
     parser.add_argument("--factor", type=int, default=10)
     parser.add_argument("--engine-mode", choices=("thread", "process"), default=PipelineConfig().engine_mode)
+    parser.add_argument(
+        "--engine-queue-size",
+        type=int,
+        default=PipelineConfig().engine_queue_size,
+        help="commands in flight to the engine; below the capacity, prepared requests wait for room",
+    )
     parser.add_argument("--out", default=None)
 
 
@@ -42,7 +48,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def main() -> None:
         config = PipelineConfig(
-            max_pending_requests=args.capacity, stage_queue_size=args.capacity, engine_mode=args.engine_mode
+            max_pending_requests=args.capacity,
+            stage_queue_size=args.capacity,
+            engine_mode=args.engine_mode,
+            engine_queue_size=args.engine_queue_size,
         )
         async with Pipeline(config, tracer=tracer_for(args)) as pipe:
             rss["start_mb"] = _rss_mb()
@@ -74,13 +83,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lost = counts["accepted"] - counts["completed"] - counts["failed"] - counts["cancelled"]
     print(
         f"\noverload: {submitted} requests (half with a 1024x768 image) at capacity {args.capacity}, "
-        f"engine {args.engine_mode}, {machine()}"
+        f"engine {args.engine_mode} (queue {args.engine_queue_size}), {machine()}"
     )
     print_table(list(counts) + ["lost", "peak RSS MB"], [[*counts.values(), lost, rss["peak_mb"]]])
     figures = {
         "scenario": "overload",
         "submitted": submitted,
         "engine_mode": args.engine_mode,
+        "engine_queue_size": args.engine_queue_size,
         **counts,
         "lost": lost,
         "rss_start_mb": round(rss["start_mb"], 1),
