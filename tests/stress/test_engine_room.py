@@ -192,3 +192,42 @@ async def test_a_lost_engine_process_fails_the_requests_waiting_for_room(pipe: P
         await engine.wait_started()
         assert (await (await pipe.submit(text(0))).result()).completion_tokens == 3
         await assert_released(pipe)
+
+
+async def test_an_engine_process_that_hangs_with_only_waiters_owed_is_replaced() -> None:
+    """The requests it was sent have gone (aborted), the ones waiting for room remain: they are work
+    owed, so the hang deadline kills the stopped process and they get 503 engine_failed."""
+    config = PipelineConfig(
+        engine_mode="process",
+        preparation_mode="thread",
+        engine_queue_size=QUEUE,
+        engine_step_timeout_s=2.0,
+        max_running_seqs=4,
+        num_kv_blocks=256,
+        max_model_len=1024,
+    )
+    async with Pipeline(config) as pipe:
+        engine = pipe.engine
+        assert isinstance(engine, ProcessEngine)
+        pid = engine.pid
+        assert pid is not None
+        with anyio.fail_after(240):
+            async with engine_paused(pipe):
+                handles = [await pipe.submit(text(i)) for i in range(6)]
+                await settle(pipe)
+                sent = [h for h in handles if h.request_id in engine._streams]
+                assert len(sent) == QUEUE and engine.room.num_waiting == 4
+                for handle in sent:
+                    handle.cancel()
+                    with pytest.raises(RequestCancelled):
+                        await handle.result()
+                assert not engine._streams
+                for handle in handles:
+                    if handle not in sent:
+                        with pytest.raises(EngineFailed) as info:
+                            await handle.result()
+                        assert "made no progress" in info.value.message and info.value.status == 503
+            await wait_gone(pid)
+            await engine.wait_started()
+            assert (await (await pipe.submit(text(0))).result()).completion_tokens == 3
+            await assert_released(pipe)
