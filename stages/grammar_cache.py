@@ -28,9 +28,16 @@ class GrammarCache(Generic[E]):
     """Entries (``E``, which reports ``nbytes``) or refusals (exceptions) by key, within ``max_bytes``."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
         self.evictions = 0
         self._entries: Lru[str, E | Exception] = Lru(max_bytes, _size)
+
+    @property
+    def max_bytes(self) -> int:
+        return self._entries.max_weight
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:  # the bound is the map's own: one number, never two
+        self._entries.max_weight = value
 
     def __len__(self) -> int:
         return len(self._entries)
