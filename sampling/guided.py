@@ -9,7 +9,7 @@ llguidance's executor), and runs on the host while the forward pass runs (the en
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -18,13 +18,33 @@ import xgrammar as xgr
 from sampling import llguidance_matcher
 from sampling.llguidance_matcher import LLGrammar, LLGuidanceMatcher
 
-__all__ = ["GuidedDecoder", "new_matcher", "refusal"]
+__all__ = ["GrammarUnavailable", "GuidedDecoder", "new_matcher", "refusal", "resolve_grammar"]
 
 _SPLIT_APPLY_ROWS = 8  # below this, a thread hop costs more than it saves
 # A row that allows at most this many 32-token mask words (8,192 tokens) is masked by gathering its
 # allowed logits: xgrammar's CPU kernel walks all 131k entries of a row (0.7 ms when most are masked).
 _SPARSE_WORDS = 256
 _BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarUnavailable(Exception):
+    """A sequence's grammar, still compiling when the sequence was added, did not compile: its request
+    is refused by whoever sent it (which learns why from the compile itself), so it never samples."""
+
+
+def resolve_grammar(grammar: Any) -> Any:
+    """``grammar`` itself, or what it compiles to when it is still compiling (a ``Future`` of the
+    grammar: its request entered the engine before the compile ended, so that its prefill ran
+    beside the compile); waits for that compile (the GIL released meanwhile).
+
+    :raises GrammarUnavailable: the compile failed or was cancelled.
+    """
+    if not isinstance(grammar, Future):
+        return grammar
+    try:
+        return grammar.result()
+    except BaseException as exc:  # a cancelled compile (a shutdown) too: the sequence cannot sample
+        raise GrammarUnavailable(f"the request's constraint did not compile: {exc}") from None
 
 
 def new_matcher(grammar: Any, replay: Sequence[int] = ()) -> Any:

@@ -31,13 +31,18 @@ class EngineInput:
     image_token_id: int
     image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
     sampling: SamplingParams
-    grammar: Any | None = None  # xgrammar.CompiledGrammar | LLGrammar
+    # xgrammar.CompiledGrammar | LLGrammar, or a concurrent.futures.Future of one still compiling: the
+    # request then prefills beside the compile and its first sample waits for it (sampling/guided.py)
+    grammar: Any | None = None
     # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
     grammar_trigger: int | None = None
     _: KW_ONLY  # what follows is named: a new field can never shift a caller's positional arguments
     # (backend, GrammarSpec) the grammar was compiled from: what an engine in another process compiles
     # again (a compiled grammar costs 3-20x its compile to serialize)
     grammar_source: tuple[str, Any] | None = None
+    # the source's compile had not ended when the request was sent: an engine in another process adds
+    # the request at once, with its compile's future as the grammar, instead of holding it until then
+    grammar_pending: bool = False
     timings: dict[str, float] = field(default_factory=dict)  # seconds per preparation stage
     # the prompt's images by content, in order; empty: unknown, and KV blocks holding image tokens are
     # then never shared (sampling/prefix_cache.py)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sampling.guided import new_matcher, refusal
+from sampling.guided import GrammarUnavailable, new_matcher, refusal, resolve_grammar
 from sampling.inputs import SeqOutput
 from sampling.logits_process import StepLogprobs, TokenLogprob
 from sampling.masked_sampler import MaskedSampler, is_lazy
@@ -210,9 +210,13 @@ class StepParts:
 
     def ensure_matcher(self, seq: Sequence) -> None:
         """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
-        (after a preemption); none before its trigger token."""
+        (after a preemption); none before its trigger token. A grammar still compiling is waited for
+        here (on the fill thread, beside the prefill's forward: sampling/guided.py, resolve_grammar).
+
+        :raises GrammarUnavailable: its grammar did not compile."""
         start = seq.grammar_start
         if seq.grammar is not None and seq.matcher is None and start is not None and seq.state is not SeqState.FINISHED:
+            seq.grammar = resolve_grammar(seq.grammar)
             seq.matcher = new_matcher(seq.grammar, seq.output_ids[start:])
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -279,6 +283,8 @@ class StepParts:
         failed = [s for s in seqs if s.state is not SeqState.FINISHED]
         if not failed:
             return []
+        if isinstance(exc, GrammarUnavailable):  # a refused constraint, not a fault: its sender answers for it
+            return [out for seq in failed for out in self.requests.fail(seq, str(exc), "constraint")]
         logger.error("engine step failed; failing requests %s", sorted({s.request_id for s in failed}), exc_info=exc)
         return [out for seq in failed for out in self.requests.fail(seq, f"engine step failed: {exc!r}")]
 

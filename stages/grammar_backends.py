@@ -215,6 +215,7 @@ class LLGuidanceCompiler:
             ) from None
         if not any(grammar.prototype.compute_bitmask()):
             raise _refuse_empty(spec)
+        grammar.spare.append(grammar.prototype)  # not used here any more: the first matcher takes it
         acceptor = self.backend.acceptor(grammar) if spec.kind in _ACCEPTOR_KINDS else None
         check = build_answer_check(spec, grammar_acceptor=acceptor)
         return Compiled(

@@ -140,6 +140,20 @@ class EngineGrammars:
         self._portal.start_task_soon(self.stage.mark_used, spec)
         return entry.grammar
 
+    def grammar_of(self, spec: GrammarSpec) -> Future[Any]:
+        """The compiled grammar of ``spec`` once its compile ends (the engine's fill waits for it)."""
+        grammar: Future[Any] = Future()
+
+        def settle(compiled: Future[CompiledConstraint]) -> None:
+            error = compiled.exception() if not compiled.cancelled() else RuntimeError("the compile was cancelled")
+            if error is not None:
+                grammar.set_exception(error)
+            else:
+                grammar.set_result(compiled.result().grammar)
+
+        self._compile(spec).add_done_callback(settle)
+        return grammar
+
     def get(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
         """The compiled constraint of an add's spec (a cache hit: done within microseconds)."""
         future = self._compile(spec)

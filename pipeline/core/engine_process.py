@@ -11,7 +11,8 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("grammar", token, spec) ────────────▶ ◀── GrammarVerdict(token, backend or error)   (at admission:
                                              the compile overlaps preparation; ``engine_grammars``)
     ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, find its grammar
-                                             (compiled, or compiling), then add
+                                             (compiled, or compiling: then add once it has, or at
+                                             once when sent before its verdict), then add
     ("abort", request id) ───────────────▶   freed before the next step
     ("barrier", token) ──────────────────▶ ◀── BarrierReached(token, figures)
     ("timeline", token, since) ──────────▶ ◀── StepTimeline(token, steps)   (record_step_timeline)
@@ -220,6 +221,10 @@ class EngineServer:
             return
         _, spec = inp.grammar_source  # the backend is the cache's: xgrammar's once it replaced a stand-in
         grammar = self.grammars.cached(spec)  # compiled since its verdict, almost always
+        if grammar is None and inp.grammar_pending:
+            # sent before its verdict (a short preparation): it prefills while the grammar compiles,
+            # its first sample waits for the compile (a refusal fails it there, unsampled)
+            grammar = self.grammars.grammar_of(spec)
         if grammar is None:
             self._waiting[inp.request_id] = _Waiting(inp, self.grammars.get(spec))
             return

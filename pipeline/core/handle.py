@@ -20,6 +20,7 @@ from pipeline.observability.trace import Tracer
 from pipeline.outcome import Mailbox, Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.inputs import EngineInput, SeqOutput
+from stages.grammar_types import CompiledConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -84,19 +85,8 @@ class RequestHandle:
                 inp = ready.inp
                 self._timings.update(inp.timings)
                 self._prompt_tokens = len(inp.prompt_token_ids)
-                constraint = ready.constraint
-                gate: AnswerGate[Delta] | None = None
-                if constraint is not None:
-                    self._grammar_backend = constraint.backend
-                    spec = self.request.grammar
-                    gate = AnswerGate(
-                        constraint.check,
-                        constraint.backend,
-                        self.request.stream,
-                        self._metrics.answer_checks,
-                        constraint_field=spec.field if spec is not None else None,
-                    )
-                await self._decode(inp, started, gate)
+                gate = self._gate(ready.constraint)
+                gate = await self._decode(inp, started, gate, ready.verdict)
                 if gate is not None and gate.failed:
                     await self._resample(inp, gate)
             if self._scope.cancel_called and self._error is None:
@@ -136,9 +126,34 @@ class RequestHandle:
         else:
             self._outcome.fail(self._error)
 
-    async def _decode(self, inp: EngineInput, started: float, gate: AnswerGate | None) -> None:
+    def _gate(self, constraint: CompiledConstraint | None) -> AnswerGate[Delta] | None:
+        """The check of the answers under ``constraint`` (None: unconstrained)."""
+        if constraint is None:
+            return None
+        self._grammar_backend = constraint.backend
+        spec = self.request.grammar
+        return AnswerGate(
+            constraint.check,
+            constraint.backend,
+            self.request.stream,
+            self._metrics.answer_checks,
+            constraint_field=spec.field if spec is not None else None,
+        )
+
+    async def _decode(
+        self,
+        inp: EngineInput,
+        started: float,
+        gate: AnswerGate | None,
+        verdict: Outcome[CompiledConstraint | None] | None = None,
+    ) -> AnswerGate | None:
+        """Stream the engine's outputs through ``gate``; with ``verdict`` (the grammar still compiled
+        when the request went to the engine), its gate once the compile is in, before any token
+        leaves (a refusal raises its error: the engine's sequences never sampled). The gate used."""
         choices = self._choices
-        async for out in self._generate(inp):
+        async for out in self._generate(inp, verdict):
+            if verdict is not None:
+                gate, verdict = self._gate(verdict.get()), None  # in: _generate waited for it
             if "first_token" not in self._timings:
                 self._timings["first_token"] = anyio.current_time() - started
                 if self._tracer is not None:
@@ -148,11 +163,18 @@ class RequestHandle:
                 checked = self._checked(choice)
                 for passed in gate.feed(delta, checked) if gate is not None and checked is not None else [delta]:
                     self._deltas.put(passed)
+        if verdict is not None:  # the stream ended without an output (never, but for a bug)
+            gate = self._gate(verdict.get())
+        return gate
 
-    async def _generate(self, inp: EngineInput) -> AsyncIterator[SeqOutput]:
-        """The engine's outputs for ``inp``; its sequences are aborted if the caller stops early.
+    async def _generate(
+        self, inp: EngineInput, verdict: Outcome[CompiledConstraint | None] | None = None
+    ) -> AsyncIterator[SeqOutput]:
+        """The engine's outputs for ``inp``, from when ``verdict`` is in (the request prefills
+        meanwhile); its sequences are aborted if the caller stops early.
 
         :raises EngineError: a sequence failed. :raises EngineFailed: the engine process was lost.
+        :raises PipelineError: ``verdict``'s error (a refused constraint: the 400 naming its field).
         """
         # Admitted and prepared, the request is not refused now: it waits (outside any loop turn) while
         # the engine is behind on reading its commands; admission counts the waiters (Admission.admit).
@@ -162,6 +184,9 @@ class RequestHandle:
         stream = self._engine.submit(inp)  # no await since the wait: the room is still there
         tokens = 0
         try:
+            if verdict is not None:
+                await verdict.wait()
+                verdict.get()  # a refusal ends the request here; the engine fails its unsampled sequences
             async for out in stream:
                 if out.error is not None:
                     raise self._engine_error(out)

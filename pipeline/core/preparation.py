@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -37,6 +39,7 @@ from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
+from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
 from vision.image_text import ImageText
@@ -47,6 +50,11 @@ __all__ = ["Preparation", "PreparedInput", "PreparedRequest"]
 
 logger = logging.getLogger(__name__)
 
+# Kinds llguidance compiles in milliseconds wherever the backend choice lets it (llguidance stands in
+# for xgrammar in auto): a request of one may enter the engine before its compile ends (see ``prepared``).
+# Grammars and structural tags may wait for xgrammar's compile (seconds), which would hold the step.
+_OVERLAP_KINDS = LLGUIDANCE_KINDS - PARSED_KINDS
+
 
 @dataclass(eq=False)
 class PreparedRequest:
@@ -56,16 +64,21 @@ class PreparedRequest:
     images: RequestImages = field(default_factory=RequestImages)
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
+    # the compiled grammar for an engine in this process that gets the request before its compile ends
+    compiled: Future[Any] | None = None
     mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
 
 
 @dataclass(frozen=True, slots=True)
 class PreparedInput:
     """A request ready to decode: the engine's input, and the constraint its answers are checked
-    against (None when unconstrained)."""
+    against (None when unconstrained, or still compiling: then ``verdict`` brings it)."""
 
     inp: EngineInput
     constraint: CompiledConstraint | None
+    # the compile's outcome when the request goes to the engine before it ends: no token may leave
+    # before it is in, and a refusal is the request's error (its sequences never sample)
+    verdict: Outcome[CompiledConstraint | None] | None = None
 
 
 class Preparation:
@@ -133,6 +146,8 @@ class Preparation:
             # (at the lowest priority) for later ones, whatever the preparation: measured with
             # ``bench compile``, waiting for xgrammar behind a distinct image's preparation cost more
             # (its compile competes with decode and encode for 2 cores) than llguidance's masks
+            if not isinstance(self.grammar, RemoteGrammarStage):  # the engine in this process waits on it
+                job.payload.compiled = Future()
             self._tg.start_soon(self._compile_grammar, job)
         else:
             job.payload.grammar.set_result(None)
@@ -250,6 +265,7 @@ class Preparation:
                 PipelineError(f"internal error ({type(exc).__name__})", stage="grammar", request_id=job.request_id)
             )
         finally:
+            _settle(prep)
             ended = time.perf_counter()
             job.timings["grammar"] = ended - started
             if self.tracer is not None:
@@ -266,17 +282,18 @@ class Preparation:
 
     async def engine_input(self, job: Job[PreparedRequest]) -> EngineInput:
         """What ``prepared`` gives, for the engine alone."""
-        return (await self.prepared(job)).inp
+        return (await self.prepared(job, overlap=False)).inp
 
-    async def prepared(self, job: Job[PreparedRequest]) -> PreparedInput:
-        """Wait for ``job`` to leave the last stage, join its grammar, and wrap it for the engine.
+    async def prepared(self, job: Job[PreparedRequest], *, overlap: bool = True) -> PreparedInput:
+        """Wait for ``job`` to leave the last stage, join its grammar (but, with ``overlap``, one
+        ``_overlaps`` lets compile on), and wrap it for the engine.
 
         :raises PipelineError: the error the job ended with. A cancelled caller cancels the job.
         """
         prep = job.payload
         try:
             await job.wait()
-            if job.error is None:
+            if job.error is None and not (overlap and self._overlaps(prep)):
                 await prep.grammar.wait()
             error = job.error or prep.grammar.error
             if error is None:
@@ -292,10 +309,34 @@ class Preparation:
             # the caller's step goes on to the engine's submit: the next turn starts in the next iteration
             self.turns.release()
 
+    def _overlaps(self, prep: PreparedRequest) -> bool:
+        """Whether the request goes to the engine before its grammar compile ends: its prefill then
+        runs beside the compile (a short preparation, a text-only or cached-image request, hides
+        nothing of it), and its first sample waits for it. Only for kinds llguidance compiles in
+        milliseconds (the step that samples it waits), and never for tools (they wait for xgrammar)."""
+        spec = prep.request.grammar
+        return (
+            spec is not None
+            and not prep.grammar.is_done
+            and prep.request.tools is None
+            and spec.kind in _OVERLAP_KINDS
+            and self.config.grammar_backend in ("auto", "llguidance")
+        )
+
     def _wrap(self, job: Job[PreparedRequest]) -> PreparedInput:
         prep = job.payload
         request = prep.request
+        if not prep.grammar.is_done:  # see _overlaps
+            inp = self._engine_input(job, prep.compiled, ("pending", request.grammar))
+            inp.grammar_pending = True
+            return PreparedInput(inp, None, prep.grammar)
         constraint = prep.grammar.get()
+        source = (constraint.backend, request.grammar) if constraint is not None else None
+        return PreparedInput(self._engine_input(job, constraint.grammar if constraint else None, source), constraint)
+
+    def _engine_input(self, job: Job[PreparedRequest], grammar: Any, source: tuple[str, Any] | None) -> EngineInput:
+        prep = job.payload
+        request = prep.request
         embeds, deepstack = prep.images.embeds, None
         if embeds is not None and self.has_deepstack:
             embeds, deepstack = split_deepstack(embeds, self.hidden_size)
@@ -305,12 +346,25 @@ class Preparation:
             image_token_id=self.image_token_id,
             image_embeds=embeds,
             sampling=request.sampling,
-            grammar=constraint.grammar if constraint is not None else None,
-            grammar_source=(constraint.backend, request.grammar) if constraint is not None else None,
+            grammar=grammar,
+            grammar_source=source,
             grammar_trigger=self._grammar_trigger(request),
             timings=dict(job.timings),
             image_keys=prep.images.keys,
             mrope=prep.mrope,
             extra_prefill={"deepstack_visual_embeds": deepstack} if deepstack is not None else {},
         )
-        return PreparedInput(inp, constraint)
+        return inp
+
+
+def _settle(prep: PreparedRequest) -> None:
+    """Hand the compile's grammar (or its failure) to an engine in this process that may wait for it."""
+    compiled = prep.compiled
+    if compiled is None or compiled.done():
+        return
+    outcome = prep.grammar
+    if outcome.is_done and outcome.error is None:
+        constraint = outcome.get()
+        compiled.set_result(constraint.grammar if constraint is not None else None)
+    else:
+        compiled.set_exception(outcome.error or RuntimeError("the grammar compile was cancelled"))

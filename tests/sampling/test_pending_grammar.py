@@ -1,0 +1,89 @@
+"""A sequence added while its grammar still compiles (a Future): its prefill runs beside the compile,
+its first sample waits for it, and a compile that fails fails the sequence unsampled, releasing it."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from pipeline.errors import GrammarError
+from pipeline.types import GrammarSpec
+from sampling.guided import new_matcher
+from tests.sampling.conftest import NewEngine
+from tests.sampling.helpers import SCHEMA, add, prompt, run_all
+
+
+def _landing_with_the_prefill(engine: Any, monkeypatch: pytest.MonkeyPatch, land: Any) -> None:
+    """Call ``land()`` once the engine's first prefill forward has run (the compile ends meanwhile)."""
+    real = engine.runner.prefill
+
+    def prefill(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        land()
+        return out
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_grammar_that_lands_during_the_prefill_constrains_the_first_token_on(
+    new_engine: NewEngine,
+    hf_tokenizer: Any,
+    grammar_compilers: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+) -> None:
+    spec = GrammarSpec("json_schema", SCHEMA)
+    ids = prompt(hf_tokenizer, "pending")
+    expected = run_all(_with(new_engine, "known", ids, grammar_compilers[1].compile(spec).grammar, n))
+    engine = new_engine()
+    pending: Future[Any] = Future()
+    _landing_with_the_prefill(
+        engine, monkeypatch, lambda: pending.set_result(grammar_compilers[1].compile(spec).grammar)
+    )
+    add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0, n=n)
+    outputs = run_all(engine)
+    assert pending.done()
+    assert [o.token_ids for o in outputs.values()] == [o.token_ids for o in expected.values()]
+    assert all(o.finish_reason == "stop" and o.error is None for o in outputs.values()) and len(outputs) == n
+
+
+def _with(new_engine: NewEngine, request_id: str, ids: list[int], grammar: Any, n: int) -> Any:
+    engine = new_engine()
+    add(engine, request_id, ids, grammar, max_tokens=48, temperature=0.0, n=n)
+    return engine
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_sequences_unsampled_and_frees_them(
+    new_engine: NewEngine, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = new_engine()
+    pending: Future[Any] = Future()
+    refusal = GrammarError("the schema admits no value", field="response_format")
+    _landing_with_the_prefill(engine, monkeypatch, lambda: pending.done() or pending.set_exception(refusal))
+    add(engine, "refused", prompt(hf_tokenizer, "refuse me"), pending, max_tokens=8, temperature=0.0, n=2)
+    add(engine, "free", prompt(hf_tokenizer, "free"), max_tokens=8, temperature=0.0)
+    outputs = run_all(engine)
+    for index in (0, 1):
+        refused = outputs[("refused", index)]
+        assert refused.finish_reason == "error" and refused.error_kind == "constraint" and not refused.token_ids
+        assert "did not compile" in str(refused.error)
+    assert outputs[("free", 0)].error is None
+    allocator = engine.scheduler.allocator
+    assert engine.num_requests == 0 and allocator.num_free == allocator.num_blocks - allocator.stats.blocks_held
+
+
+def test_an_llguidance_grammar_gives_its_validating_matcher_to_its_first_sequence(
+    grammar_compilers: tuple[Any, Any],
+) -> None:
+    grammar = grammar_compilers[1].compile(GrammarSpec("json_schema", SCHEMA)).grammar
+    first, second = new_matcher(grammar), new_matcher(grammar)
+    assert first._matcher is grammar.prototype and second._matcher is not grammar.prototype and not grammar.spare
+    copy = dataclasses.replace(grammar)  # another grammar (tests change its limits so): its own matchers
+    assert not copy.spare and new_matcher(copy)._matcher is not grammar.prototype
+    tokens = grammar.tokenizer.tokenize_bytes(b'{"name":"ab","n":1}')
+    taken = [first.accept_token(t) for t in tokens]
+    assert taken[0] and taken == [second.accept_token(t) for t in tokens]  # the same state, the same answers
