@@ -1,6 +1,5 @@
 """Two ways to wait for work done elsewhere: ``Outcome[T]`` (one result or one error, set once) and
-``Mailbox[T]`` (items in order until closed, then an error or the end); ``first_of`` waits for the
-first of several.
+``Mailbox[T]`` (items in order until closed, then an error or the end).
 
 Import-free but for anyio, so the lower layers may use it (``make check`` enforces it).
 """
@@ -9,12 +8,12 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
 import anyio
 
-__all__ = ["Mailbox", "Outcome", "OutcomeState", "first_of"]
+__all__ = ["Mailbox", "Outcome", "OutcomeState"]
 
 T = TypeVar("T")
 
@@ -128,15 +127,3 @@ class Mailbox(Generic[T]):
                 return
             self._wakeup = anyio.Event()
             await self._wakeup.wait()
-
-
-async def first_of(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Return once the first of ``waits`` returns (the others are cancelled)."""
-    async with anyio.create_task_group() as tg:
-
-        async def wait_then_stop(wait: Callable[[], Awaitable[object]]) -> None:
-            await wait()
-            tg.cancel_scope.cancel()
-
-        for wait in waits:
-            tg.start_soon(wait_then_stop, wait)

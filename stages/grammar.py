@@ -40,7 +40,6 @@ class GrammarStage(BackendChoice):
         timeout_s: float = 30.0,
         cache_bytes: int = 512 * 1024 * 1024,
         max_concurrent: int = 2,
-        xgrammar_budget_s: float = 0.5,
         backend: str = "auto",
         abandon_on_shutdown: bool = False,
         limits: GrammarLimits | None = None,
@@ -55,7 +54,6 @@ class GrammarStage(BackendChoice):
         }
         self.timeout_s = timeout_s
         self.limits = limits if limits is not None else GrammarLimits()
-        self.xgrammar_budget_s = xgrammar_budget_s
         self.limiter = anyio.CapacityLimiter(max_concurrent)  # xgrammar compiles: seconds each
         self.fast_limiter = anyio.CapacityLimiter(max_concurrent)  # llguidance compiles: milliseconds
         self.stats = GrammarStats()
@@ -101,11 +99,9 @@ class GrammarStage(BackendChoice):
         """The cache's hits, misses, bytes and entries (for metrics)."""
         return cache_counters(self.stats, self._cache)
 
-    async def compile(
-        self, spec: GrammarSpec, *, request_id: str | None = None, needed: anyio.Event | None = None
-    ) -> CompiledConstraint:
-        """The compiled constraint of ``spec``; once ``needed`` is set the caller waits for no xgrammar
-        compile that llguidance can stand in for (it goes on in the background).
+    async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> CompiledConstraint:
+        """The compiled constraint of ``spec``; the caller waits for no xgrammar compile that llguidance
+        can stand in for (it goes on in the background).
 
         :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.
@@ -122,7 +118,7 @@ class GrammarStage(BackendChoice):
             self.stats.errors += 1
             raise exc.bind(stage=self.name, request_id=request_id) from None
         with anyio.move_on_after(self.timeout_s) as scope:
-            flight = await self._resolve(spec, needed)
+            flight = await self._resolve(spec)
         if scope.cancelled_caught:
             self.stats.timeouts += 1
             raise DeadlineExceeded(

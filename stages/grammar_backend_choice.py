@@ -1,12 +1,11 @@
 """Which backend serves a spec: the forced one, the dispatch table's, or llguidance standing in for xgrammar.
 
 - The backend comes from the spec's features (``stages.grammar_dispatch``). A spec meant for
-  xgrammar is served by llguidance instead (a stand-in) when both xgrammar compile slots are taken,
-  when its xgrammar compile has not finished within ``xgrammar_budget_s``, or when the request needs
-  its constraint before that (``needed``: the pipeline sets it at admission, whatever the
-  preparation): llguidance compiles in milliseconds, so cheap specs and refusals answer at once
-  while a big schema compiles, and no request waits for an xgrammar compile llguidance can stand
-  in for. The xgrammar compile
+  xgrammar is served by llguidance instead (a stand-in) until xgrammar's compile has landed (or
+  when both xgrammar compile slots are taken): llguidance compiles in milliseconds, so cheap specs
+  and refusals answer at once while a big schema compiles, and no request waits for an xgrammar
+  compile llguidance can stand in for (measured with ``bench compile``: waiting for xgrammar even
+  behind a distinct image's preparation cost more than llguidance's masks). The xgrammar compile
   goes on in the background (a thread cannot be interrupted), holding its slot, and its result
   replaces the stand-in in the cache; a stand-in served while the slots were busy is replaced the
   same way by the first cache hit that finds a slot free.
@@ -26,7 +25,7 @@ from stages.grammar_backends import XGrammarCompiler
 from stages.grammar_compile import BACKGROUND_NICE, parse_in_thread
 from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
 from stages.grammar_jobs import GrammarJobs
-from stages.grammar_types import SLOTS_BUSY, CompiledConstraint
+from stages.grammar_types import OUTLASTS, SLOTS_BUSY, CompiledConstraint
 
 __all__ = ["BackendChoice"]
 
@@ -35,10 +34,9 @@ class BackendChoice(GrammarJobs):
     """The backend choice of ``stages.grammar.GrammarStage``, which sets the attributes below."""
 
     backend: str
-    xgrammar_budget_s: float
     _parser: XGrammarCompiler
 
-    async def _resolve(self, spec: GrammarSpec, needed: anyio.Event | None) -> Outcome[CompiledConstraint]:
+    async def _resolve(self, spec: GrammarSpec) -> Outcome[CompiledConstraint]:
         if self.backend == "llguidance" and spec.kind in LLGUIDANCE_KINDS:
             return await self._await("llguidance", "forced by config", spec)
         if self.backend != "auto":
@@ -70,18 +68,13 @@ class BackendChoice(GrammarJobs):
         if ("xgrammar", spec.key) not in self._flights and self._is_busy():
             return await self._stand_in(spec, SLOTS_BUSY, None, is_dialect)
         # a compile nobody waits for (llguidance stands in at once) yields the CPU to the request's
-        # own work: the lowest priority (its native threads run without the GIL)
-        nice = BACKGROUND_NICE if needed is not None and needed.is_set() and not is_dialect else 0
-        budget_s = self.xgrammar_budget_s
-        flight = await self._await("xgrammar", dispatch.reason, spec, budget_s=budget_s, needed=needed, nice=nice)
+        # own work: the lowest priority (its native threads run without the GIL); a dialect's may
+        # be waited for (what llguidance cannot compile of it), and so is one without a task group
+        nice = 0 if is_dialect or self._tg is None else BACKGROUND_NICE
+        flight = await self._await("xgrammar", dispatch.reason, spec, wait=False, nice=nice)
         if flight.is_done and flight.error is None:
             return flight
-        if flight.is_done:
-            reason = "xgrammar could not compile it"
-        elif needed is not None and needed.is_set():
-            reason = "xgrammar compile outlasts preparation"
-        else:
-            reason = "xgrammar compile over budget"
+        reason = "xgrammar could not compile it" if flight.is_done else OUTLASTS
         return await self._stand_in(spec, reason, flight, is_dialect)
 
     def _is_busy(self) -> bool:

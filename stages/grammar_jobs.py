@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.errors import GrammarError, PipelineError
-from pipeline.outcome import Outcome, first_of
+from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar_cache import GrammarCache
@@ -118,25 +118,13 @@ class GrammarJobs:
         return flight, True
 
     async def _await(
-        self,
-        backend: str,
-        reason: str,
-        spec: GrammarSpec,
-        *,
-        budget_s: float | None = None,
-        needed: anyio.Event | None = None,
-        nice: int = 0,
+        self, backend: str, reason: str, spec: GrammarSpec, *, wait: bool = True, nice: int = 0
     ) -> Outcome[CompiledConstraint]:
-        """The job's outcome once it is done, or (with ``budget_s``, ``needed``) when the budget runs
-        out or ``needed`` is set first."""
+        """The job's outcome once it is done, or (``wait=False``) at once, while it may still run."""
         flight, is_new = self._flight(backend, reason, spec, nice)
         if is_new and self._tg is None:  # no task group to leave the job in: run it here, shielded
             with anyio.CancelScope(shield=True):
                 await self._job(backend, reason, spec, flight, nice)
-        if needed is None:
-            with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
-                await flight.wait()
-        elif not needed.is_set() and not flight.is_done:
-            with anyio.move_on_after(budget_s if budget_s is not None else float("inf")):
-                await first_of(flight.wait, needed.wait)
+        if wait:
+            await flight.wait()
         return flight

@@ -65,7 +65,6 @@ class EngineGrammars:
         self._exit = contextlib.ExitStack()
         self._portal: BlockingPortal = self._exit.enter_context(start_blocking_portal())
         self._stop: anyio.Event | None = None
-        self._needed: anyio.Event | None = None
         self._watched: set[str] = set()  # specs whose stand-in's replacement will be told
         # tokens asked and not yet answered: added on the decode loop's thread, discarded on the stage's
         # (set operations are atomic under the GIL)
@@ -74,10 +73,6 @@ class EngineGrammars:
 
     async def _run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._stop = anyio.Event()
-        # set from the start: no request waits for an xgrammar compile llguidance can stand in for
-        # (the serving process's preparation runs meanwhile; see GrammarStage.compile)
-        self._needed = anyio.Event()
-        self._needed.set()
         async with anyio.create_task_group() as tg:
             self.stage.attach(tg)
             task_status.started()
@@ -85,7 +80,7 @@ class EngineGrammars:
             tg.cancel_scope.cancel()
 
     def _compile(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
-        return self._portal.start_task_soon(lambda: self.stage.compile(spec, needed=self._needed))
+        return self._portal.start_task_soon(self.stage.compile, spec)
 
     @property
     def owes(self) -> bool:
@@ -106,7 +101,7 @@ class EngineGrammars:
     async def _answer(self, token: int, spec: GrammarSpec) -> None:
         outcome: CompiledConstraint | BaseException
         try:
-            outcome = await self.stage.compile(spec, needed=self._needed)
+            outcome = await self.stage.compile(spec)
         except Exception as exc:
             outcome = exc
         verdict = verdict_of(token, outcome, self.stage)

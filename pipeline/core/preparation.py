@@ -123,10 +123,6 @@ class Preparation:
         metrics.register_cache("grammar", self.grammar.cache_counters)
         self.stages = self._build_stages()
         self.turns = turns  # the pipeline's: wrapping an engine input takes one (see ``prepared``)
-        # set for good: every request needs its constraint from admission on, so none waits for an
-        # xgrammar compile that llguidance can stand in for (see ``admit``)
-        self._grammar_needed = anyio.Event()
-        self._grammar_needed.set()
         self._tg: TaskGroup | None = None
 
     async def start_workers(self) -> None:
@@ -255,7 +251,7 @@ class Preparation:
         assert spec is not None
         started = time.perf_counter()
         try:
-            constraint = await self.grammar.compile(spec, request_id=job.request_id, needed=self._grammar_needed)
+            constraint = await self.grammar.compile(spec, request_id=job.request_id)
             prep.grammar.set_result(await with_calls_check(constraint, prep.request.tools))
         except PipelineError as exc:
             prep.grammar.fail(exc.bind(stage="grammar", request_id=job.request_id))

@@ -118,11 +118,9 @@ class RemoteGrammarStage:
             _, reply = self.engine.ask("grammars_idle")
             await reply.wait()
 
-    async def compile(
-        self, spec: GrammarSpec, *, request_id: str | None = None, needed: anyio.Event | None = None
-    ) -> CompiledConstraint:
-        """The engine's verdict on ``spec`` and the check of its answers (``needed``: the engine's
-        stage serves a new spec with llguidance while xgrammar compiles, whatever the preparation).
+    async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> CompiledConstraint:
+        """The engine's verdict on ``spec`` and the check of its answers (the engine's stage serves a
+        new spec with llguidance while xgrammar compiles).
 
         :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.

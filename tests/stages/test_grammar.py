@@ -180,7 +180,7 @@ async def test_the_cache_exports_its_bound_and_evictions(grammar_compilers: tupl
 async def test_concurrent_identical_compiles_share_one_job(grammar_compilers: tuple[Any, Any]) -> None:
     gate = threading.Event()
     xgrammar = GatedCompiler(grammar_compilers[0], gate)
-    stage = make_stage((xgrammar, grammar_compilers[1]), xgrammar_budget_s=30)
+    stage = make_stage((xgrammar, grammar_compilers[1]))
     spec = GrammarSpec("regex", "[a-c]+", field="regex")
     results: list[CompiledConstraint] = []
     with anyio.fail_after(20):
@@ -208,13 +208,13 @@ async def test_slow_xgrammar_compile_is_served_by_llguidance_and_replaced_when_d
 ) -> None:
     gate = threading.Event()
     xgrammar = GatedCompiler(grammar_compilers[0], gate)
-    stage = make_stage((xgrammar, grammar_compilers[1]), xgrammar_budget_s=0.05)
+    stage = make_stage((xgrammar, grammar_compilers[1]))
     spec = GrammarSpec("regex", "[x-z]+", field="regex")
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
             served = await stage.compile(spec)
-            assert served.backend == "llguidance" and served.reason == "xgrammar compile over budget"
+            assert served.backend == "llguidance" and served.reason == "xgrammar compile outlasts preparation"
             assert stage.limiter.borrowed_tokens == 1  # the xgrammar thread still runs, holding its slot
             gate.set()
             await stage.wait_idle()
@@ -227,7 +227,7 @@ async def test_busy_xgrammar_slots_do_not_starve_cheap_specs(grammar_compilers: 
     """Two slow compiles hold both xgrammar slots; a cheap schema and a refusal still answer at once."""
     gate = threading.Event()
     xgrammar = GatedCompiler(grammar_compilers[0], gate)
-    stage = make_stage((xgrammar, grammar_compilers[1]), xgrammar_budget_s=30, max_concurrent=2)
+    stage = make_stage((xgrammar, grammar_compilers[1]), max_concurrent=2)
     slow = [
         GrammarSpec("json_schema", {"type": "object", "properties": {f"p{i}": {"type": "integer"}}}) for i in (1, 2)
     ]
@@ -433,40 +433,29 @@ OUTLASTS = "xgrammar compile outlasts preparation"
 def gated_stage(
     grammar_compilers: tuple[Any, Any],
 ) -> tuple[GrammarStage, GatedCompiler, GatedCompiler, threading.Event]:
-    """A stage whose xgrammar compiles wait for the returned gate, with a budget no test reaches."""
+    """A stage whose xgrammar compiles wait for the returned gate."""
     gate = threading.Event()
     xgrammar, llguidance = GatedCompiler(grammar_compilers[0], gate), GatedCompiler(grammar_compilers[1])
-    return make_stage((xgrammar, llguidance), xgrammar_budget_s=30), xgrammar, llguidance, gate
+    return make_stage((xgrammar, llguidance)), xgrammar, llguidance, gate
 
 
-def set_event() -> anyio.Event:
-    event = anyio.Event()
-    event.set()
-    return event
-
-
-@pytest.mark.parametrize("when", ["before the compile", "while it waits"])
-async def test_a_request_that_needs_its_constraint_gets_llguidance_and_later_ones_xgrammar(
-    grammar_compilers: tuple[Any, Any], hf_tokenizer: Any, when: str
+async def test_a_new_spec_gets_llguidance_and_later_requests_xgrammar(
+    grammar_compilers: tuple[Any, Any], hf_tokenizer: Any
 ) -> None:
-    """Text only, cached images, preparation done: the request stops waiting for xgrammar (here far
-    within its budget); xgrammar's compile goes on and serves the requests after it."""
+    """No request waits for xgrammar's compile: llguidance serves at once, and xgrammar's compile goes
+    on (at the lowest priority) and serves the requests after it."""
     stage, xgrammar, llguidance, gate = gated_stage(grammar_compilers)
     spec = GrammarSpec("json_schema", SCHEMA)
-    needed = set_event() if when == "before the compile" else anyio.Event()
     served: list[CompiledConstraint] = []
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
 
             async def request() -> None:
-                served.append(await stage.compile(spec, needed=needed))
+                served.append(await stage.compile(spec))
 
             tg.start_soon(request)
             await anyio.wait_all_tasks_blocked()
-            if when == "while it waits":
-                assert not served and stage.fast_limiter.borrowed_tokens == 0  # within the budget: waits
-                needed.set()
             while not served:
                 await anyio.wait_all_tasks_blocked()
             await anyio.wait_all_tasks_blocked()
@@ -476,12 +465,12 @@ async def test_a_request_that_needs_its_constraint_gets_llguidance_and_later_one
             gate.set()
             await stage.wait_idle()
     assert stage.limiter.borrowed_tokens == 0 and stage.fast_limiter.borrowed_tokens == 0 and stage.num_compiling == 0
-    later = await stage.compile(spec, needed=set_event())
+    later = await stage.compile(spec)
     assert later.backend == "xgrammar" and not later.is_stand_in  # its result replaced the stand-in
     assert xgrammar.calls[spec.key] == 1 and llguidance.calls[spec.key] == 1
-    # a compile nobody waits for runs at the lowest priority; one a request waits for (at first) does not
+    # a compile nobody waits for runs at the lowest priority
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert xgrammar.nice[spec.key] == (min(19, base + 19) if when == "before the compile" else base)
+    assert xgrammar.nice[spec.key] == min(19, base + 19)
     assert llguidance.nice[spec.key] == base
     for constraint in (served[0], later):  # both backends constrain, and the answer check holds
         assert accepts(constraint.grammar, '{"a": 1}', hf_tokenizer) and constraint.check.check('{"a": 1}') is None
@@ -505,7 +494,7 @@ async def test_a_cancelled_request_leaves_both_compiles_to_finish_into_the_cache
             async def request() -> None:
                 with anyio.CancelScope() as scope:
                     scopes.append(scope)
-                    await stage.compile(spec, needed=set_event())
+                    await stage.compile(spec)
                 ended.set()
 
             tg.start_soon(request)
@@ -530,7 +519,7 @@ async def test_a_bad_spec_is_a_400_at_once_while_its_xgrammar_compile_runs(gramm
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
             with pytest.raises(GrammarError) as info:
-                await stage.compile(spec, needed=set_event())
+                await stage.compile(spec)
             assert info.value.status == 400 and info.value.field == "regex"
             assert stage.num_compiling == 1 and not gate.is_set()  # refused before xgrammar answered
             gate.set()
@@ -545,7 +534,7 @@ async def test_a_stand_in_xgrammar_cannot_compile_stays_and_no_hit_compiles_it_a
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
-            served = await stage.compile(spec, needed=set_event())
+            served = await stage.compile(spec)
             assert served.backend == "llguidance" and served.is_stand_in
             gate.set()
             await stage.wait_idle()
