@@ -154,6 +154,7 @@ class RequestHandle:
         async for out in self._generate(inp, verdict):
             if verdict is not None:
                 gate, verdict = self._gate(verdict.get()), None  # in: _generate waited for it
+                self._timings.update(inp.timings)  # the compile's time, in since
             if "first_token" not in self._timings:
                 self._timings["first_token"] = anyio.current_time() - started
                 if self._tracer is not None:

@@ -19,6 +19,7 @@ from anyio.abc import TaskGroup
 from pipeline.config import PipelineConfig
 from pipeline.core.call_check import with_calls_check
 from pipeline.core.engine_factory import check_fits
+from pipeline.core.grammar_overlap import overlaps, settle
 from pipeline.core.image_steps import ImageSteps, RequestImages
 from pipeline.core.loop_turns import LoopTurns
 from pipeline.core.remote_grammar import RemoteGrammarStage
@@ -39,7 +40,6 @@ from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
-from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
 from vision.image_text import ImageText
@@ -49,11 +49,6 @@ from vision.preprocess import target_longest_edge
 __all__ = ["Preparation", "PreparedInput", "PreparedRequest"]
 
 logger = logging.getLogger(__name__)
-
-# Kinds llguidance compiles in milliseconds wherever the backend choice lets it (llguidance stands in
-# for xgrammar in auto): a request of one may enter the engine before its compile ends (see ``prepared``).
-# Grammars and structural tags may wait for xgrammar's compile (seconds), which would hold the step.
-_OVERLAP_KINDS = LLGUIDANCE_KINDS - PARSED_KINDS
 
 
 @dataclass(eq=False)
@@ -261,7 +256,7 @@ class Preparation:
                 PipelineError(f"internal error ({type(exc).__name__})", stage="grammar", request_id=job.request_id)
             )
         finally:
-            _settle(prep)
+            settle(prep.compiled, prep.grammar)
             ended = time.perf_counter()
             job.timings["grammar"] = ended - started
             if self.tracer is not None:
@@ -281,15 +276,17 @@ class Preparation:
         return (await self.prepared(job, overlap=False)).inp
 
     async def prepared(self, job: Job[PreparedRequest], *, overlap: bool = True) -> PreparedInput:
-        """Wait for ``job`` to leave the last stage, join its grammar (but, with ``overlap``, one
-        ``_overlaps`` lets compile on), and wrap it for the engine.
+        """Wait for ``job`` to leave the last stage, join its grammar (with ``overlap``, not one that
+        ``grammar_overlap.overlaps`` lets go on compiling), and wrap it for the engine.
 
         :raises PipelineError: the error the job ended with. A cancelled caller cancels the job.
         """
         prep = job.payload
         try:
             await job.wait()
-            if job.error is None and not (overlap and self._overlaps(prep)):
+            # a request that may go to the engine before its compile ends (pipeline.core.grammar_overlap)
+            is_early = overlap and overlaps(prep.request, prep.grammar, self.config.grammar_backend)
+            if job.error is None and not is_early:
                 await prep.grammar.wait()
             error = job.error or prep.grammar.error
             if error is None:
@@ -305,24 +302,10 @@ class Preparation:
             # the caller's step goes on to the engine's submit: the next turn starts in the next iteration
             self.turns.release()
 
-    def _overlaps(self, prep: PreparedRequest) -> bool:
-        """Whether the request goes to the engine before its grammar compile ends: its prefill then
-        runs beside the compile (a short preparation, a text-only or cached-image request, hides
-        nothing of it), and its first sample waits for it. Only for kinds llguidance compiles in
-        milliseconds (the step that samples it waits), and never for tools (they wait for xgrammar)."""
-        spec = prep.request.grammar
-        return (
-            spec is not None
-            and not prep.grammar.is_done
-            and prep.request.tools is None
-            and spec.kind in _OVERLAP_KINDS
-            and self.config.grammar_backend in ("auto", "llguidance")
-        )
-
     def _wrap(self, job: Job[PreparedRequest]) -> PreparedInput:
         prep = job.payload
         request = prep.request
-        if not prep.grammar.is_done:  # see _overlaps
+        if not prep.grammar.is_done:  # see grammar_overlap
             inp = self._engine_input(job, prep.compiled, ("pending", request.grammar))
             inp.grammar_pending = True
             return PreparedInput(inp, None, prep.grammar)
@@ -345,22 +328,10 @@ class Preparation:
             grammar=grammar,
             grammar_source=source,
             grammar_trigger=self._grammar_trigger(request),
-            timings=dict(job.timings),
+            # a request sent before its compile ends gets the compile's time when it does (the handle reads it then)
+            timings=job.timings if not prep.grammar.is_done else dict(job.timings),
             image_keys=prep.images.keys,
             mrope=prep.mrope,
             extra_prefill={"deepstack_visual_embeds": deepstack} if deepstack is not None else {},
         )
         return inp
-
-
-def _settle(prep: PreparedRequest) -> None:
-    """Hand the compile's grammar (or its failure) to an engine in this process that may wait for it."""
-    compiled = prep.compiled
-    if compiled is None or compiled.done():
-        return
-    outcome = prep.grammar
-    if outcome.is_done and outcome.error is None:
-        constraint = outcome.get()
-        compiled.set_result(constraint.grammar if constraint is not None else None)
-    else:
-        compiled.set_exception(outcome.error or RuntimeError("the grammar compile was cancelled"))
