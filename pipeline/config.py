@@ -139,6 +139,11 @@ class PipelineConfig:
     # more median TTFT; a lone prompt beside decodes waits 89 ms instead of 33. Served bursts
     # (tpot-under-load) reach the engine slower than alternation allows, and show no gain: 1.
     decode_steps_per_prefill: int = 1
+    # How many sequences' prefill chunks one step may run in one forward, within the chunk's token
+    # budget (sampling/scheduler.py): a burst of short prompts (prefix-cache hits of a popular
+    # image, ~17 tokens each) then costs a few steps beside the decodes instead of one each. 1: a
+    # prefill step runs one sequence's chunk.
+    prefill_seqs_per_step: int = 16
     default_max_tokens: int = 256
     # commands sent to the engine and not yet read (it reads between steps): the bound of what is in
     # flight to it, not a refusal. A prepared request that finds it full waits for room (admission
@@ -198,6 +203,7 @@ class PipelineConfig:
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "prefill_chunk_tokens_with_decodes": self.prefill_chunk_tokens_with_decodes,
             "decode_steps_per_prefill": self.decode_steps_per_prefill,
+            "prefill_seqs_per_step": self.prefill_seqs_per_step,
             "default_max_tokens": self.default_max_tokens,
             "engine_queue_size": self.engine_queue_size,
         }

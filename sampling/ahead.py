@@ -57,7 +57,7 @@ import torch
 from sampling.inputs import SeqOutput
 from sampling.logits_process import StepLogprobs
 from sampling.overlap import DeviceQueue
-from sampling.scheduler import DecodeStep, PrefillStep
+from sampling.scheduler import DecodeStep, PrefillBatch, PrefillStep
 from sampling.sequence import SeqState, Sequence
 from sampling.step import StepParts
 from sampling.timeline import StepTiming
@@ -99,7 +99,7 @@ class OneStepAhead:
         started = time.perf_counter()
         previous = self.in_flight
         scheduled, refused = self._schedule(previous)
-        if isinstance(scheduled, PrefillStep):  # only with nothing in flight: run it synchronously
+        if isinstance(scheduled, PrefillStep | PrefillBatch):  # only with nothing in flight: synchronously
             return refused + self.device.call(self.parts.run, scheduled)
         current = self._launch(scheduled, previous, started) if scheduled is not None else None
         outputs = self._collect(previous) if previous is not None else []
@@ -108,7 +108,9 @@ class OneStepAhead:
         self.in_flight = current
         return refused + outputs
 
-    def _schedule(self, previous: _InFlight | None) -> tuple[PrefillStep | DecodeStep | None, list[SeqOutput]]:
+    def _schedule(
+        self, previous: _InFlight | None
+    ) -> tuple[PrefillStep | PrefillBatch | DecodeStep | None, list[SeqOutput]]:
         """The next step, and the outputs of sequences failed as unfit on the way. With a step in flight
         only a decode of its sequences can follow it; None drains the loop."""
         if previous is None:

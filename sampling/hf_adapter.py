@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from sampling.paged_attention import AttentionBatch, PagedStep, image_span_ids, register_paged_attention
-from sampling.paged_runner import ModelShape, PagedRunner
+from sampling.paged_runner import ModelShape, PagedRunner, PrefillChunk
 from vision.checkpoint import Checkpoint
 
 __all__ = ["HFModelRunner", "UnsupportedModel", "load_hf_model"]
@@ -91,20 +91,23 @@ class HFModelRunner(PagedRunner):
         self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
         self._allocate(num_blocks)
 
-    def _forward(self, embeds: torch.Tensor, batch: AttentionBatch, logits_to_keep: int, **inputs: Any) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` in fp32 of the last ``logits_to_keep`` rows (0: all) of ``embeds``
-        ``[N, hidden]``, the step's tokens as one row at the positions of ``batch`` (``inputs``: more
-        of the language model's inputs)."""
+    def _forward(
+        self, embeds: torch.Tensor, batch: AttentionBatch, logits_to_keep: int | torch.Tensor, **inputs: Any
+    ) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` in fp32 of the last ``logits_to_keep`` rows (0: all; a tensor: those
+        rows) of ``embeds`` ``[N, hidden]``, the step's tokens as one row at the positions of ``batch``
+        (``inputs``: more of the language model's inputs)."""
         # position_ids: [1, N], or M-RoPE's [3, 1, N] (the text model expands [1, N] to three equal rows)
         rope = batch.rope_positions
         out = self.decoder(
             inputs_embeds=embeds[None],
-            position_ids=rope[:, None] if rope is not None else batch.positions.reshape(1, -1),
+            position_ids=rope[:, None] if rope is not None else batch.token_positions()[None],
             use_cache=False,
             paged_step=PagedStep(batch, self.kv_caches),
             **inputs,
         )
-        hidden = out.last_hidden_state[0, -logits_to_keep:]
+        hidden = out.last_hidden_state[0]
+        hidden = hidden[logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else hidden[-logits_to_keep:]
         logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:  # Gemma 2/3: as their ForCausalLM heads do
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
@@ -134,6 +137,15 @@ class HFModelRunner(PagedRunner):
             batch.image_spans = image_span_ids(is_image, start)
         inputs = self._extra_inputs(is_image, extra_inputs or {})
         return self._forward(self._embed(ids, image_rows, is_image), batch, 1, **inputs)
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        batch, ids, is_image, last = self.batch_prefill_inputs(chunks)
+        rows = [c.image_rows for c in chunks if c.image_rows is not None and c.image_rows.numel()]
+        names = {name for c in chunks for name in c.extra_inputs}
+        extra = {name: torch.cat([c.extra_inputs[name] for c in chunks if name in c.extra_inputs]) for name in names}
+        inputs = self._extra_inputs(is_image, extra)
+        return self._forward(self._embed(ids, torch.cat(rows) if rows else None, is_image), batch, last, **inputs)
 
     def _extra_inputs(self, is_image: torch.Tensor | None, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The language model's keyword inputs for the chunk's per-image-token rows."""

@@ -1,8 +1,9 @@
 """A Mistral/Llama-family decoder over a paged KV cache, in plain torch.
 
-Tokens of a step are flattened (``T`` rows); each query row attends to the keys of its own
+Tokens of a step are flattened (``N`` rows); each query row attends to the keys of its own
 sequence, gathered from the cache through that sequence's block table. The same forward serves a
-prefill chunk (one sequence, ``T`` new tokens) and a decode step (``B`` sequences, one token each).
+prefill chunk (one sequence, ``N`` new tokens), several chunks of several sequences, and a decode
+step (``B`` sequences, one token each).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sampling.paged_attention import AttentionBatch, attend
+from sampling.paged_attention import AttentionBatch, attend_tokens
 
 __all__ = ["AttentionBatch", "LMConfig", "MistralLM"]
 
@@ -81,23 +82,22 @@ class _Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, Tq, hidden]
-        cos: torch.Tensor,  # [B, Tq, 1, head_dim]
+        x: torch.Tensor,  # [N, hidden]
+        cos: torch.Tensor,  # [N, 1, head_dim]
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
         v_cache: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
         cfg = self.cfg
-        b, tq, _ = x.shape
-        q = self.q_proj(x).view(b, tq, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(b, tq, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(b, tq, cfg.num_kv_heads, cfg.head_dim)
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        kv_shape = (b * tq, cfg.num_kv_heads, cfg.head_dim)
-        out = attend(q.transpose(1, 2), k.reshape(kv_shape), v.reshape(kv_shape), k_cache, v_cache, batch)
-        return self.o_proj(out.transpose(1, 2).reshape(b, tq, cfg.num_heads * cfg.head_dim))
+        out = attend_tokens(q, k, v, k_cache, v_cache, batch)
+        return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
 class _MLP(nn.Module):
@@ -140,13 +140,14 @@ class MistralLM(nn.Module):
 
     def forward(
         self,
-        embeds: torch.Tensor,  # [B, Tq, hidden]
+        embeds: torch.Tensor,  # [N, hidden] the step's tokens
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Hidden states ``[B, Tq, hidden]`` after the final norm."""
-        cos = self.rope_cos[batch.positions].unsqueeze(2).to(embeds.dtype)
-        sin = self.rope_sin[batch.positions].unsqueeze(2).to(embeds.dtype)
+        """Hidden states ``[N, hidden]`` after the final norm."""
+        positions = batch.token_positions()
+        cos = self.rope_cos[positions].unsqueeze(1).to(embeds.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(embeds.dtype)
         h = embeds
         layers: list[_Layer] = list(self.layers)  # type: ignore[arg-type]
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from sampling.model import AttentionBatch, LMConfig, MistralLM
-from sampling.paged_runner import ModelShape, PagedRunner
+from sampling.paged_runner import ModelShape, PagedRunner, PrefillChunk
 from vision.checkpoint import Checkpoint
 
 __all__ = ["ModelRunner"]
@@ -64,12 +64,19 @@ class ModelRunner(PagedRunner):
         batch = self.prefill_inputs(start, start + len(token_ids), block_table)
         ids = torch.tensor(token_ids, device=self.device)
         embeds = self._embed(ids, image_rows, self.chunk_image_mask(ids, num_prompt_tokens, image_rows))
-        hidden = self.model(embeds[None], batch, self.kv_caches)
-        return self.model.compute_logits(hidden[0, -1:])
+        hidden = self.model(embeds, batch, self.kv_caches)
+        return self.model.compute_logits(hidden[-1:])
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        batch, ids, is_image, last = self.batch_prefill_inputs(chunks)
+        rows = [c.image_rows for c in chunks if c.image_rows is not None and c.image_rows.numel()]
+        embeds = self._embed(ids, torch.cat(rows) if rows else None, is_image)
+        hidden = self.model(embeds, batch, self.kv_caches)
+        return self.model.compute_logits(hidden[last])
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, device=self.device)
-        embeds = self.embed_tokens(ids)[:, None]
-        hidden = self.model(embeds, batch, self.kv_caches)
-        return self.model.compute_logits(hidden[:, 0])
+        hidden = self.model(self.embed_tokens(ids), batch, self.kv_caches)
+        return self.model.compute_logits(hidden)

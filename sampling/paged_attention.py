@@ -1,6 +1,7 @@
 """Attention over a paged KV cache, and its entry in transformers' ``AttentionInterface``.
 
-A step's tokens are grouped ``[B, Tq]`` (decode: Tq = 1; prefill chunk: B = 1). Each new token's
+A step's tokens are grouped ``[B, Tq]`` (decode: Tq = 1; prefill chunk: B = 1; several prefill
+chunks of one step: B chunks padded to the longest, their N tokens placed by ``query_index``). Each new token's
 K/V is written at its cache slot; each query row then attends to the keys of its own sequence,
 gathered from the cache through that sequence's block table. Registered with transformers under
 ``ATTENTION_NAME``, the same function serves any model whose attention goes through the interface:
@@ -15,7 +16,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_NAME", "AttentionBatch", "PagedStep", "attend", "image_span_ids", "register_paged_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "AttentionBatch",
+    "PagedStep",
+    "attend",
+    "attend_tokens",
+    "image_span_ids",
+    "register_paged_attention",
+]
 
 ATTENTION_NAME = "paged_kv"
 
@@ -24,11 +33,13 @@ ATTENTION_NAME = "paged_kv"
 class AttentionBatch:
     """Where a step's tokens go in the cache and which keys each query sees.
 
-    Queries are grouped ``[B, Tq]`` (decode: Tq = 1; prefill chunk: B = 1).
+    Queries are grouped ``[B, Tq]`` (decode: Tq = 1; prefill chunk: B = 1). The step's tokens are
+    the N = B * Tq cells in order, or with ``query_index`` the N cells it names (ragged rows: the rest
+    is padding, which no per-token layer ever sees).
     """
 
-    positions: torch.Tensor  # [B, Tq] cache index of each query token (its 1-D position)
-    slot_mapping: torch.Tensor  # [B * Tq] flat cache slot each new token's K/V is written to
+    positions: torch.Tensor  # [B, Tq] cache index of each query token (its 1-D position; padding: 0)
+    slot_mapping: torch.Tensor  # [N] flat cache slot each of the step's tokens writes its K/V to
     key_slots: torch.Tensor  # [B, L] flat cache slots of every key a row may see (padded)
     key_valid: torch.Tensor  # [B, L] bool: slot holds a key of this sequence (not padding)
     # [B, L] the image span of each key position (-1: none), for a prefill chunk of a family whose
@@ -40,6 +51,13 @@ class AttentionBatch:
     # [3, B * Tq] the positions the model's RoPE takes where they are not the cache indices (M-RoPE:
     # temporal, height, width); None: ``positions``. Masks and slots stay on the cache indices.
     rope_positions: torch.Tensor | None = None
+    # [N] the cell of ``[B * Tq]`` each of the step's tokens occupies; None: all of them, in order
+    query_index: torch.Tensor | None = None
+
+    def token_positions(self) -> torch.Tensor:
+        """``[N]`` the 1-D position of each of the step's tokens."""
+        flat = self.positions.reshape(-1)
+        return flat if self.query_index is None else flat[self.query_index]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """``[B, 1, Tq, L]``: a key is visible if it belongs to the row, is not in its future (or is
@@ -106,9 +124,30 @@ def attend(
     return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
 
 
+def attend_tokens(
+    query: torch.Tensor,  # [N, H, D] the step's tokens
+    key: torch.Tensor,  # [N, kv_heads, D]
+    value: torch.Tensor,  # [N, kv_heads, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``attend`` over the step's tokens as one row: grouped into ``[B, Tq]`` and back; ``[N, H, D]``."""
+    b, tq = batch.positions.shape
+    heads, dim = query.shape[1], query.shape[2]
+    if batch.query_index is None:
+        grouped = query.view(b, tq, heads, dim).transpose(1, 2)
+    else:  # padding queries are zeros at position 0: they see key 0 of their row, so no row is all -inf
+        grid = query.new_zeros(b * tq, heads, dim).index_copy_(0, batch.query_index, query)
+        grouped = grid.view(b, tq, heads, dim).transpose(1, 2)
+    out = attend(grouped, key, value, k_cache, v_cache, batch, **kwargs).transpose(1, 2).reshape(b * tq, heads, dim)
+    return out if batch.query_index is None else out[batch.query_index]
+
+
 def _paged_attention_forward(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [1, H, N, D]: the step's N = B * Tq tokens as one row
+    query: torch.Tensor,  # [1, H, N, D]: the step's N tokens as one row
     key: torch.Tensor,  # [1, kv_heads, N, D]
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -122,24 +161,19 @@ def _paged_attention_forward(
     """transformers' attention signature; returns ``[1, N, H, D]`` as its own functions do."""
     if paged_step is None:
         raise RuntimeError("paged attention called without a step: run the model through the paged runner")
-    batch = paged_step.batch
-    b, tq = batch.positions.shape
     k_cache, v_cache = paged_step.kv_caches[module.layer_idx]  # type: ignore[index]
-    heads, dim = query.shape[1], query.shape[-1]
-    # [1, H, B*Tq, D] -> [B, H, Tq, D]
-    grouped = query[0].view(heads, b, tq, dim).transpose(0, 1)
-    out = attend(
-        grouped,
-        key[0].transpose(0, 1),  # [B*Tq, kv_heads, D]
+    out = attend_tokens(
+        query[0].transpose(0, 1),  # [N, H, D]
+        key[0].transpose(0, 1),  # [N, kv_heads, D]
         value[0].transpose(0, 1),
         k_cache,
         v_cache,
-        batch,
+        paged_step.batch,
         scaling=scaling,
         sliding_window=sliding_window,
         softcap=softcap,
     )
-    return out.permute(0, 2, 1, 3).reshape(1, b * tq, heads, dim), None
+    return out[None], None
 
 
 def register_paged_attention() -> str:

@@ -1,22 +1,42 @@
 """What every model runner shares: the paged KV cache, slot arithmetic, decode batches, block copies.
 
 A runner owns the weights and the KV cache; the engine calls ``prefill`` (one chunk of one
-sequence), ``decode_inputs`` + ``decode`` (one token for each of B sequences) and ``copy_blocks``.
+sequence), ``prefill_batch`` (one chunk of each of several sequences in one forward: their tokens
+as one row, grouped for attention into ``[B, Tq]`` padded rows), ``decode_inputs`` + ``decode``
+(one token for each of B sequences) and ``copy_blocks``.
 Every call is synchronous and runs on ``device``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from sampling.kv_cache import allocate_kv_caches
-from sampling.paged_attention import AttentionBatch
+from sampling.paged_attention import AttentionBatch, image_span_ids
 from vision.checkpoint import Checkpoint
 
-__all__ = ["ModelShape", "PagedRunner"]
+__all__ = ["ModelShape", "PagedRunner", "PrefillChunk"]
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's prefill chunk in a batched prefill step: the arguments ``prefill`` takes."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    image_rows: torch.Tensor | None  # [image tokens in the chunk, hidden]
+    num_prompt_tokens: int | None = None  # how many of ``token_ids`` are the prompt's (``image_mask``)
+    rope_positions: torch.Tensor | None = None  # [3, len(token_ids)] M-RoPE positions; None: 1-D
+    extra_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per image token (DeepStack)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +129,47 @@ class PagedRunner:
             key_valid=torch.ones(1, end, dtype=torch.bool, device=self.device),
         )
 
+    def batch_prefill_inputs(
+        self, chunks: list[PrefillChunk]
+    ) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch of several sequences' chunks (row b: chunk b, padded to the longest), their token
+        ids ``[N]`` as one row, which are image placeholders ``[N]``, and each chunk's last token in it ``[B]``."""
+        lengths = [len(c.token_ids) for c in chunks]
+        tq, max_len = max(lengths), max(c.end for c in chunks)
+        positions = torch.zeros(len(chunks), tq, dtype=torch.long)
+        key_slots = torch.zeros(len(chunks), max_len, dtype=torch.long)
+        key_valid = torch.zeros(len(chunks), max_len, dtype=torch.bool)
+        slot_mapping, query_index, masks = [], [], []
+        ids = torch.tensor([t for c in chunks for t in c.token_ids])
+        for row, (chunk, offset) in enumerate(
+            zip(chunks, torch.tensor([0, *lengths]).cumsum(0).tolist(), strict=False)
+        ):
+            slots = self._slots(chunk.block_table, chunk.end)
+            positions[row, : len(chunk.token_ids)] = torch.arange(chunk.start, chunk.end)
+            key_slots[row, : chunk.end] = torch.tensor(slots)
+            key_valid[row, : chunk.end] = True
+            slot_mapping += slots[chunk.start :]
+            query_index.append(torch.arange(len(chunk.token_ids)) + row * tq)
+            masks.append(self.image_mask(ids[offset : offset + len(chunk.token_ids)], chunk.num_prompt_tokens))
+        batch = AttentionBatch(
+            positions=positions.to(self.device),
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            key_slots=key_slots.to(self.device),
+            key_valid=key_valid.to(self.device),
+            query_index=torch.cat(query_index).to(self.device),
+        )
+        if any(c.rope_positions is not None for c in chunks):  # 1-D rows as three equal rows
+            rope = [
+                c.rope_positions if c.rope_positions is not None else p.expand(3, -1)
+                for c, p in zip(chunks, positions, strict=True)
+            ]
+            batch.rope_positions = torch.cat([r[:, :n] for r, n in zip(rope, lengths, strict=True)], 1).to(self.device)
+        if self.atomic_image_spans and self.image_token_id is not None:
+            spans = [image_span_ids(m, c.start)[0] for m, c in zip(masks, chunks, strict=True)]
+            batch.image_spans = torch.stack([F.pad(s, (0, max_len - len(s)), value=-1) for s in spans]).to(self.device)
+        last = torch.tensor(lengths).cumsum(0) - 1
+        return batch, ids.to(self.device), torch.cat(masks).to(self.device), last.to(self.device)
+
     def decode_inputs(self, positions: list[int], block_tables: list[list[int]]) -> AttentionBatch:
         """Where each of B decode tokens goes in the cache and which keys it sees.
 
@@ -152,6 +213,11 @@ class PagedRunner:
         """Run the chunk ``token_ids`` at positions ``start...`` of one sequence; logits ``[1, vocab]``
         of its last token. ``image_rows`` holds the embedding of each image placeholder in the chunk
         (the prompt's image tokens: its first ``num_prompt_tokens``, see ``image_mask``)."""
+        raise NotImplementedError
+
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Run one chunk of each of several sequences in one forward; logits ``[len(chunks), vocab]``
+        of each chunk's last token, equal to those of ``prefill`` run on each chunk alone."""
         raise NotImplementedError
 
     def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

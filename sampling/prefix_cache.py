@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from sampling.image_spans import uncut_prefix
+from sampling.kv_cache import BlockAllocator
 from sampling.sequence import Sequence
 
-__all__ = ["cacheable_prefix", "compute_block_hashes"]
+__all__ = ["cacheable_prefix", "compute_block_hashes", "register_computed", "take_cached_prefix"]
 
 
 def cacheable_prefix(num_tokens: int, block_size: int) -> int:
@@ -67,3 +69,37 @@ def _hash_images(h: hashlib.blake2b, seq: Sequence, first_row: int, num_rows: in
             h.update(f"{key.content_hash}:{key.grid_thw}:{lo - row}:{hi - row};".encode())
         row += key.num_tokens
     return True
+
+
+def take_cached_prefix(
+    allocator: BlockAllocator, seq: Sequence, block_size: int, image_token_id: int | None, atomic_image: int | None
+) -> None:
+    """Start ``seq`` after the longest run of its leading blocks found in the cache (with
+    ``atomic_image``, an image token whose spans must not be split: cut back to before such a span)."""
+    bs = block_size
+    hashes = compute_block_hashes(seq, cacheable_prefix(seq.num_tokens, bs) // bs, bs, image_token_id)
+    found = []
+    for block_hash in hashes:
+        block = allocator.lookup(block_hash)
+        if block is None:
+            break
+        found.append(block)
+    if atomic_image is not None:  # the prefill after the hit must not start inside an image span
+        found = found[: uncut_prefix(seq.prompt_ids, atomic_image, len(found) * bs, bs) // bs]
+    allocator.share(found)
+    allocator.stats.hits += len(found)
+    allocator.stats.misses += len(hashes) - len(found)
+    seq.block_table = found
+    seq.num_computed = seq.num_registered = len(found) * bs
+
+
+def register_computed(allocator: BlockAllocator, seq: Sequence, block_size: int, image_token_id: int | None) -> None:
+    """Register ``seq``'s full blocks whose K/V is computed (and whose tokens are committed)."""
+    bs = block_size
+    num_full = min(seq.num_computed, seq.num_tokens, len(seq.block_table) * bs) // bs
+    if num_full <= seq.num_registered // bs:
+        return
+    hashes = compute_block_hashes(seq, num_full, bs, image_token_id)
+    for i in range(seq.num_registered // bs, len(hashes)):
+        allocator.register(seq.block_table[i], hashes[i])
+    seq.num_registered = num_full * bs

@@ -9,7 +9,13 @@ that many decode steps and no more, and never when nothing decodes: waiting sequ
 in order, one chunk every ``decode_steps_per_prefill + 1`` steps at least, so none starves. While
 sequences decode, a chunk takes at most ``chunk_tokens_with_decodes`` tokens (a shorter chunk, a
 shorter stall, as vLLM's chunked prefill bounds its prefill tokens per step), and ``chunk_tokens``
-when nothing decodes. When KV blocks run out, the newest running sequence is preempted: its blocks
+when nothing decodes. With ``max_prefill_seqs`` > 1, a prefill step whose chunk finishes its
+sequence's prompt takes the next waiting sequences' chunks into the same forward while the budget
+lasts (``PrefillBatch``, at most that many sequences): a burst of short prompts, such as prefix-cache
+hits of a popular image, costs a few steps beside the decodes, not one each (vLLM v1 and SGLang
+schedule prefills by a token budget per step the same way). Only the batch's last chunk may leave
+its prompt unfinished, and a sequence that forks into n > 1 after its prefill always runs alone.
+When KV blocks run out, the newest running sequence is preempted: its blocks
 are freed and it is recomputed later from its prompt plus what it had generated.
 
 With the prefix cache on, a sequence admitted takes the longest run of cached blocks its tokens
@@ -33,39 +39,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from sampling.image_spans import chunk_end, uncut_prefix
+from sampling.image_spans import chunk_end
 from sampling.kv_cache import BlockAllocator, blocks_needed
-from sampling.prefix_cache import cacheable_prefix, compute_block_hashes
+from sampling.prefix_cache import register_computed, take_cached_prefix
 from sampling.sequence import SeqState, Sequence
+from sampling.step_kinds import DecodeStep, PrefillBatch, PrefillStep, Schedule
 
-__all__ = ["DecodeStep", "PrefillStep", "Schedule", "Scheduler"]
-
-
-@dataclass(slots=True)
-class PrefillStep:
-    seq: Sequence
-    start: int
-    end: int
-
-    @property
-    def is_last_chunk(self) -> bool:
-        return self.end == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class DecodeStep:
-    seqs: list[Sequence]
-
-
-@dataclass(slots=True)
-class Schedule:
-    """What ``schedule()`` decided: the step to run (None: nothing can run now), and the sequences
-    that can never fit in the cache, released already, for the engine to fail."""
-
-    step: PrefillStep | DecodeStep | None
-    unfit: list[Sequence]
+__all__ = ["DecodeStep", "PrefillBatch", "PrefillStep", "Schedule", "Scheduler"]
 
 
 class Scheduler:
@@ -81,9 +62,13 @@ class Scheduler:
         prefix_caching: bool = False,
         image_token_id: int | None = None,
         atomic_image_spans: bool = False,
+        max_prefill_seqs: int = 1,
     ) -> None:
         if decode_steps_per_prefill < 1:
             raise ValueError(f"decode_steps_per_prefill must be at least 1, got {decode_steps_per_prefill}")
+        if max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs must be at least 1, got {max_prefill_seqs}")
+        self.max_prefill_seqs = max_prefill_seqs
         self.allocator = allocator
         self.prefix_caching = prefix_caching
         self.image_token_id = image_token_id
@@ -157,36 +142,12 @@ class Scheduler:
         return seq
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Start ``seq`` after the longest run of its leading blocks found in the cache."""
-        bs = self.block_size
-        hashes = compute_block_hashes(seq, cacheable_prefix(seq.num_tokens, bs) // bs, bs, self.image_token_id)
-        found = []
-        for block_hash in hashes:
-            block = self.allocator.lookup(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        image = self.atomic_image_token
-        if image is not None:  # the prefill after the hit must not start inside an image span
-            found = found[: uncut_prefix(seq.prompt_ids, image, len(found) * bs, bs) // bs]
-        self.allocator.share(found)
-        self.allocator.stats.hits += len(found)
-        self.allocator.stats.misses += len(hashes) - len(found)
-        seq.block_table = found
-        seq.num_computed = seq.num_registered = len(found) * bs
+        take_cached_prefix(self.allocator, seq, self.block_size, self.image_token_id, self.atomic_image_token)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register ``seq``'s full blocks whose K/V is computed (and whose tokens are committed)."""
-        if not self.prefix_caching:
-            return
-        bs = self.block_size
-        num_full = min(seq.num_computed, seq.num_tokens, len(seq.block_table) * bs) // bs
-        if num_full <= seq.num_registered // bs:
-            return
-        hashes = compute_block_hashes(seq, num_full, bs, self.image_token_id)
-        for i in range(seq.num_registered // bs, len(hashes)):
-            self.allocator.register(seq.block_table[i], hashes[i])
-        seq.num_registered = num_full * bs
+        if self.prefix_caching:
+            register_computed(self.allocator, seq, self.block_size, self.image_token_id)
 
     def schedule(self) -> Schedule:
         """The next step, and the sequences found unfit on the way."""
@@ -221,7 +182,7 @@ class Scheduler:
         need = self._blocks_to_admit(self.waiting[0])
         return need <= self.allocator.num_free or need > self.allocator.num_blocks
 
-    def _next_step(self) -> PrefillStep | DecodeStep | None:
+    def _next_step(self) -> PrefillStep | PrefillBatch | DecodeStep | None:
         prefilling = next((s for s in self.running if s.is_prefilling), None)
         decoding = [s for s in self.running if not s.is_prefilling]
         want_prefill = prefilling is not None or bool(self.waiting)
@@ -229,11 +190,16 @@ class Scheduler:
             seq = prefilling or self._admit()
             if seq is not None:
                 start = seq.num_computed
-                end = self._chunk_end(seq, start, self.chunk_tokens_with_decodes if decoding else self.chunk_tokens)
+                budget = self.chunk_tokens_with_decodes if decoding else self.chunk_tokens
+                end = self._chunk_end(seq, start, budget)
                 if self._reserve(seq, end):
                     self._grow(seq, end)
                     self._decodes_since_prefill = 0
-                    return PrefillStep(seq, start, end)
+                    first = PrefillStep(seq, start, end)
+                    if not first.is_last_chunk or not self._batchable(seq):
+                        return first
+                    chunks = [first, *self._more_chunks(budget - (end - start))]
+                    return first if len(chunks) == 1 else PrefillBatch(chunks)
                 decoding = [s for s in self.running if not s.is_prefilling]
         if not decoding:
             return None
@@ -241,6 +207,33 @@ class Scheduler:
         if step is not None:
             self._decodes_since_prefill += 1
         return step
+
+    def _batchable(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s chunk may share a prefill step: not when it forks into n > 1 after it
+        (its children copy its K/V and logits row by row: that step runs it alone)."""
+        return self.max_prefill_seqs > 1 and (seq.num_siblings == 1 or seq.has_forked)
+
+    def _more_chunks(self, budget: int) -> list[PrefillStep]:
+        """The chunks of the next waiting sequences that join a prefill step with ``budget`` tokens
+        left, admitted in order; a sequence admitted whose chunk cannot join (over the budget, or
+        its blocks not free without preempting) prefills in a later step."""
+        chunks: list[PrefillStep] = []
+        while budget > 0 and len(chunks) + 1 < self.max_prefill_seqs and self.waiting:
+            if not self._batchable(self.waiting[0]):
+                break
+            seq = self._admit()
+            if seq is None:
+                break
+            start = seq.num_computed
+            end = self._chunk_end(seq, start, budget)
+            if not start < end <= start + budget or self._blocks_for(seq, end) > self.allocator.num_free:
+                break
+            self._grow(seq, end)
+            chunks.append(PrefillStep(seq, start, end))
+            budget -= end - start
+            if end < seq.num_tokens:  # its prompt goes on next step: the batch ends with it
+                break
+        return chunks
 
     def _prefill_due(self, decoding: bool) -> bool:
         """Whether a prefill chunk may run this step: always when nothing decodes, and beside decodes

@@ -35,8 +35,9 @@ from sampling.logits_process import StepLogprobs, TokenLogprob
 from sampling.masked_sampler import MaskedSampler, is_lazy
 from sampling.model_runner import ModelRunner
 from sampling.overlap import HostCopier
+from sampling.prefill_chunks import prefill_forward
 from sampling.request_table import RequestTable
-from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
+from sampling.scheduler import DecodeStep, PrefillBatch, PrefillStep, Scheduler
 from sampling.sequence import SeqState, Sequence
 from sampling.timeline import StepTiming
 
@@ -70,18 +71,19 @@ class StepParts:
         self.timeline: list[StepTiming] = []
         self.tracer = tracer  # anything with pipeline.observability.trace.Tracer's span(): one span per step
 
-    def schedule(self) -> tuple[PrefillStep | DecodeStep | None, list[SeqOutput]]:
+    def schedule(self) -> tuple[PrefillStep | PrefillBatch | DecodeStep | None, list[SeqOutput]]:
         """The next step (None: nothing can run), and the outputs of the sequences failed as unfit on the way."""
         schedule = self.scheduler.schedule()
         total = self.scheduler.allocator.num_blocks * self.runner.block_size
         message = f"the sequence needs more KV cache than the whole cache holds ({total} tokens)"
         return schedule.step, [out for seq in schedule.unfit for out in self.requests.fail(seq, message)]
 
-    def run(self, step: PrefillStep | DecodeStep) -> list[SeqOutput]:
+    def run(self, step: PrefillStep | PrefillBatch | DecodeStep) -> list[SeqOutput]:
         """Launch, sample and commit one step; a step that raises fails its sequences alone."""
-        timing = StepTiming("prefill" if isinstance(step, PrefillStep) else "decode", 0)
+        timing = StepTiming("decode" if isinstance(step, DecodeStep) else "prefill", 0)
         observed = self.record_timeline or self.tracer is not None  # the CPU clock only when read
-        timing.tokens = step.end - step.start if isinstance(step, PrefillStep) else len(step.seqs)
+        chunks = [step] if isinstance(step, PrefillStep) else step.chunks if isinstance(step, PrefillBatch) else []
+        timing.tokens = sum(c.end - c.start for c in chunks) if chunks else len(step.seqs)
         started, cpu_started = time.perf_counter(), time.thread_time() if observed else 0.0
         try:
             seqs, logits, filled = self.launch(step, timing)
@@ -104,36 +106,23 @@ class StepParts:
         return outputs
 
     def launch(
-        self, step: PrefillStep | DecodeStep, timing: StepTiming
+        self, step: PrefillStep | PrefillBatch | DecodeStep, timing: StepTiming
     ) -> tuple[list[Sequence], torch.Tensor | None, list[int]]:
         """Run the step's forward with the bitmask fill beside it: the sequences that sample this
-        step (none for a prefill chunk that is not the last), their logits ``[B, vocab]`` and the
+        step (none for prefill chunks that end no prompt), their logits ``[B, vocab]`` and the
         bitmask rows filled."""
-        runner = self.runner
-        if isinstance(step, PrefillStep):
-            seq = step.seq
-            chunk = seq.tokens(step.start, step.end)
-            image_rows = seq.image_rows(step.start, step.end, runner.image_token_id)
-            # M-RoPE positions and extra inputs (DeepStack) sliced to the chunk, where the sequence has them
-            extra: dict[str, Any] = {}
-            rope = seq.rope_positions(step.start, step.end)
-            if rope is not None:
-                extra["rope_positions"] = rope
-            extra_rows = seq.extra_rows(step.start, step.end, runner.image_token_id)
-            if extra_rows:
-                extra["extra_inputs"] = extra_rows
-            # a replay after a preemption runs past the prompt: its generated tokens are no image placeholders
-            extra["num_prompt_tokens"] = len(seq.prompt_ids) - step.start
-            forward = functools.partial(runner.prefill, chunk, step.start, seq.block_table, image_rows, **extra)
-            if not step.is_last_chunk:
-                self.timed(timing, forward)
-                seq.num_computed = step.end
-                self.scheduler.cache_computed(seq)
-                return [], None, []
-            seqs = [seq]
-        else:
+        chunks: list[PrefillStep] = []
+        if isinstance(step, DecodeStep):
             seqs = step.seqs
-            forward = functools.partial(self._decode, seqs)
+            forward: Callable[[], torch.Tensor] = functools.partial(self._decode, seqs)
+        else:
+            chunks = [step] if isinstance(step, PrefillStep) else step.chunks
+            forward = prefill_forward(self.runner, step)
+            seqs = [c.seq for c in chunks if c.is_last_chunk]
+            if not seqs:
+                self.timed(timing, forward)
+                self._computed(chunks)
+                return [], None, []
         defer_greedy = isinstance(step, DecodeStep) and self.defers_greedy()
         guided = any(s.grammar is not None for s in seqs)
         fill = self._filler.submit(self.fill, seqs, defer_greedy, timing) if guided else None
@@ -146,10 +135,10 @@ class StepParts:
         waited = time.perf_counter()
         filled = fill.result() if fill is not None else []
         timing.wait = time.perf_counter() - waited
-        if isinstance(step, PrefillStep):
-            step.seq.num_computed = step.end
-            self.scheduler.cache_computed(step.seq)
-            if step.seq.num_siblings > 1 and not step.seq.has_forked:
+        if chunks:
+            self._computed(chunks)
+            # n > 1 forks only from a chunk of its own (the scheduler never batches it)
+            if isinstance(step, PrefillStep) and step.seq.num_siblings > 1 and not step.seq.has_forked:
                 seqs = self._fork(step.seq)
                 filled = list(range(len(seqs))) if filled else []
                 logits = logits.expand(len(seqs), -1).contiguous()
@@ -158,6 +147,11 @@ class StepParts:
                 s.num_computed = s.num_tokens
         timing.batch = len(seqs)
         return seqs, logits, filled
+
+    def _computed(self, chunks: list[PrefillStep]) -> None:
+        for chunk in chunks:
+            chunk.seq.num_computed = chunk.end
+            self.scheduler.cache_computed(chunk.seq)
 
     def decode(
         self,
