@@ -9,7 +9,7 @@ from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
-from sampling.scheduler import DecodeStep, PrefillStep, Scheduler
+from sampling.scheduler import DecodeStep, PrefillBatch, PrefillStep, Scheduler
 
 # the schema of the ``json_grammar`` fixture (conftest.py)
 SCHEMA = {
@@ -67,15 +67,21 @@ def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[tuple[str, int], S
 
 def scheduler_steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...]]:
     """Run ``num_steps`` of ``scheduler``'s steps as the engine would (K/V computed, a token sampled
-    where one is): ("prefill", seq, start, end) and ("decode", seqs...) in order."""
+    where one is): ("prefill", seq, start, end), ("prefills", (seq, start, end)...) for a batch of
+    chunks, and ("decode", seqs...) in order."""
     ran: list[tuple[Any, ...]] = []
     for _ in range(num_steps):
         step = scheduler.schedule().step
-        if isinstance(step, PrefillStep):
-            ran.append(("prefill", step.seq.seq_id, step.start, step.end))
-            step.seq.num_computed = step.end
-            if step.is_last_chunk:
-                step.seq.output_ids.append(1)
+        if isinstance(step, PrefillStep | PrefillBatch):
+            chunks = [step] if isinstance(step, PrefillStep) else step.chunks
+            if isinstance(step, PrefillStep):
+                ran.append(("prefill", step.seq.seq_id, step.start, step.end))
+            else:
+                ran.append(("prefills", *((c.seq.seq_id, c.start, c.end) for c in chunks)))
+            for chunk in chunks:
+                chunk.seq.num_computed = chunk.end
+                if chunk.is_last_chunk:
+                    chunk.seq.output_ids.append(1)
         else:
             assert isinstance(step, DecodeStep)
             ran.append(("decode", *(s.seq_id for s in step.seqs)))
