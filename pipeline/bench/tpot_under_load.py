@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=PipelineConfig().decode_steps_per_prefill,
         help="decode_steps_per_prefill: decode steps between two prefill chunks while sequences decode",
     )
+    parser.add_argument(
+        "--prefill-seqs-per-step",
+        type=int,
+        default=PipelineConfig().prefill_seqs_per_step,
+        help="prefill_seqs_per_step: sequences whose prefill chunks share one step (1: one a step)",
+    )
     parser.add_argument("--timeline", action="store_true", help="record engine steps; print what the decodes wait for")
     parser.add_argument("--out", default=None)
 
@@ -188,6 +194,7 @@ async def _measure(
         record_step_timeline=args.timeline,
         prefill_chunk_tokens_with_decodes=args.chunk_with_decodes,
         decode_steps_per_prefill=args.decode_steps_per_prefill,
+        prefill_seqs_per_step=args.prefill_seqs_per_step,
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
@@ -242,7 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"requests (distinct: an image each; repeated: one image),"
         f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()};"
         f" prefill chunk beside decodes {args.chunk_with_decodes} tokens,"
-        f" {args.decode_steps_per_prefill} decode step(s) between prefills"
+        f" {args.decode_steps_per_prefill} decode step(s) between prefills,"
+        f" {args.prefill_seqs_per_step} sequence(s) a prefill step"
     )
     rows: list[list[Any]] = []
     per_mode: dict[str, dict[str, Any]] = {}
