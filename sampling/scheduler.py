@@ -1,22 +1,18 @@
 """Continuous batching: which sequences run this step, KV blocks, preemption.
 
-A step is either one prefill chunk of one sequence or one decode token for every running sequence.
-While sequences decode, a prefill chunk runs once ``decode_steps_per_prefill`` decode steps have run
-since the last one (1: prefill and decode steps alternate), so a long prompt never stalls running
-decodes for more than one chunk at a time, and a burst of prompts delays at most one decode token
-in that many (the cadence TGI's router keeps with ``max_waiting_tokens``). A held prefill waits for
-that many decode steps and no more, and never when nothing decodes: waiting sequences are admitted
-in order, one chunk every ``decode_steps_per_prefill + 1`` steps at least, so none starves. While
-sequences decode, a chunk takes at most ``chunk_tokens_with_decodes`` tokens (a shorter chunk, a
-shorter stall, as vLLM's chunked prefill bounds its prefill tokens per step), and ``chunk_tokens``
-when nothing decodes. With ``max_prefill_seqs`` > 1, a prefill step whose chunk finishes its
-sequence's prompt takes the next waiting sequences' chunks into the same forward while the budget
-lasts (``PrefillBatch``, at most that many sequences): a burst of short prompts, such as prefix-cache
-hits of a popular image, costs a few steps beside the decodes, not one each (vLLM v1 and SGLang
-schedule prefills by a token budget per step the same way). Only the batch's last chunk may leave
-its prompt unfinished, and a sequence that forks into n > 1 after its prefill always runs alone.
-When KV blocks run out, the newest running sequence is preempted: its blocks
-are freed and it is recomputed later from its prompt plus what it had generated.
+A step is either prefill chunks (one sequence's, or with ``max_prefill_seqs`` > 1 several sequences'
+in one forward, ``PrefillBatch``) or one decode token for every running sequence. While sequences
+decode, a prefill step runs once ``decode_steps_per_prefill`` decode steps have run since the last
+one (1: they alternate), so a burst of prompts delays at most one decode token in that many (the
+cadence TGI's router keeps with ``max_waiting_tokens``); never held when nothing decodes, waiting
+sequences are admitted in order and none starves. A prefill step takes at most
+``chunk_tokens_with_decodes`` tokens while sequences decode, ``chunk_tokens`` otherwise (a per-step
+token budget, as vLLM's chunked prefill): a chunk that finishes its prompt leaves the rest of the
+budget to the next waiting sequences, so a burst of short prompts (prefix-cache hits of a popular
+image) costs a few steps beside the decodes, not one each, as vLLM v1 and SGLang schedule it. Only
+a batch's last chunk may leave its prompt unfinished; a sequence that forks into n > 1 runs alone.
+When KV blocks run out, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later from its prompt plus what it had generated.
 
 With the prefix cache on, a sequence admitted takes the longest run of cached blocks its tokens
 hash to (sampling/prefix_cache.py) and starts its prefill after them; its full blocks are registered

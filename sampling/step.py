@@ -82,8 +82,10 @@ class StepParts:
         """Launch, sample and commit one step; a step that raises fails its sequences alone."""
         timing = StepTiming("decode" if isinstance(step, DecodeStep) else "prefill", 0)
         observed = self.record_timeline or self.tracer is not None  # the CPU clock only when read
-        chunks = [step] if isinstance(step, PrefillStep) else step.chunks if isinstance(step, PrefillBatch) else []
-        timing.tokens = sum(c.end - c.start for c in chunks) if chunks else len(step.seqs)
+        if isinstance(step, DecodeStep):
+            timing.tokens = len(step.seqs)
+        else:
+            timing.tokens = sum(c.end - c.start for c in ([step] if isinstance(step, PrefillStep) else step.chunks))
         started, cpu_started = time.perf_counter(), time.thread_time() if observed else 0.0
         try:
             seqs, logits, filled = self.launch(step, timing)
