@@ -163,6 +163,11 @@ class PipelineConfig:
     # 3.5 ms with 1 thread, 48-97 ms with 2, whose OpenMP workers spin against each other and the
     # serving process; the engine thread in thread mode: 5.6-7.5 ms
     engine_torch_threads: int = 1
+    # The engine process's niceness (engine_mode "process"; -20..19, 0: the serving process's). Below 0
+    # the decode loop takes a core ahead of the serving process's per-request work and the
+    # preparation workers when they contend (it needs CAP_SYS_NICE; without it the engine logs a
+    # warning and runs at 0).
+    engine_process_nice: int = 0
     # Launch each decode step's forward before the last step's tokens are committed (sampling/ahead.py);
     # False: the synchronous loop. Off: on the 2-core CPU it does not pay (bench ahead, 3 runs of 7
     # pairs: median TPOT ratio 0.94-1.16 at batch 8 and 32, 0.98-1.13 at batch 1); on a GPU, try it.
@@ -222,6 +227,8 @@ class PipelineConfig:
             )
         if self.engine_torch_threads < 0:
             raise ValueError("PipelineConfig.engine_torch_threads must be >= 0")
+        if not -20 <= self.engine_process_nice <= 19:
+            raise ValueError(f"PipelineConfig.engine_process_nice must be in -20..19, got {self.engine_process_nice}")
         if self.engine_mode not in ("thread", "process"):
             raise ValueError(f"PipelineConfig.engine_mode must be thread or process, got {self.engine_mode!r}")
         if self.prep_workers < 0 or not 0 <= self.prep_worker_nice <= 19:

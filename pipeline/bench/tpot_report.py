@@ -24,7 +24,7 @@ def report(args: argparse.Namespace, kinds: list[str], measured: Measured, load_
         f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()};"
         f" prefill chunk beside decodes {args.chunk_with_decodes} tokens,"
         f" {args.decode_steps_per_prefill} decode step(s) between prefills,"
-        f" {args.prefill_seqs_per_step} sequence(s) a prefill step"
+        f" {args.prefill_seqs_per_step} sequence(s) a prefill step, engine process niceness {args.engine_nice}"
     )
     rows: list[list[Any]] = []
     per_mode: dict[str, dict[str, Any]] = {}

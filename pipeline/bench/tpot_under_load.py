@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=PipelineConfig().prefill_seqs_per_step,
         help="prefill_seqs_per_step: sequences whose prefill chunks share one step (1: one a step)",
     )
+    parser.add_argument(
+        "--engine-nice",
+        type=int,
+        default=PipelineConfig().engine_process_nice,
+        help="engine_process_nice: the engine process's niceness (below 0 needs CAP_SYS_NICE)",
+    )
     parser.add_argument("--timeline", action="store_true", help="record engine steps; print what the decodes wait for")
     parser.add_argument("--out", default=None)
 
@@ -192,6 +198,7 @@ async def _measure(
         prefill_chunk_tokens_with_decodes=args.chunk_with_decodes,
         decode_steps_per_prefill=args.decode_steps_per_prefill,
         prefill_seqs_per_step=args.prefill_seqs_per_step,
+        engine_process_nice=args.engine_nice,
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)
