@@ -144,6 +144,12 @@ class PipelineConfig:
     # image, ~17 tokens each) then costs a few steps beside the decodes instead of one each. 1: a
     # prefill step runs one sequence's chunk.
     prefill_seqs_per_step: int = 16
+    # Running decodes join a prefill step whose chunks are at most this many tokens, in one forward
+    # (a mixed step, as vLLM v1 schedules them): on a CPU, where a step's cost is mostly its ~100
+    # dispatches, a short prefill beside the decodes then adds a fraction of a step to their token
+    # instead of a step of its own. Longer chunks run alone (a decode row is padded to the longest
+    # chunk in attention). 0: never.
+    mixed_chunk_tokens: int = 64
     default_max_tokens: int = 256
     # commands sent to the engine and not yet read (it reads between steps): the bound of what is in
     # flight to it, not a refusal. A prepared request that finds it full waits for room (admission
@@ -227,6 +233,8 @@ class PipelineConfig:
             )
         if self.engine_torch_threads < 0:
             raise ValueError("PipelineConfig.engine_torch_threads must be >= 0")
+        if self.mixed_chunk_tokens < 0:
+            raise ValueError(f"PipelineConfig.mixed_chunk_tokens must be >= 0, got {self.mixed_chunk_tokens}")
         if not -20 <= self.engine_process_nice <= 19:
             raise ValueError(f"PipelineConfig.engine_process_nice must be in -20..19, got {self.engine_process_nice}")
         if self.engine_mode not in ("thread", "process"):

@@ -31,8 +31,8 @@ def chunk_input(seq: Sequence, start: int, end: int, image_token_id: int | None)
 
 
 def prefill_forward(runner: PagedRunner, step: PrefillStep | PrefillBatch) -> Callable[[], torch.Tensor]:
-    """The step's forward: logits ``[S, vocab]`` of the last token of each of its S chunks that end
-    their sequence's prompt (a lone chunk's row even when it does not)."""
+    """The step's forward: logits ``[S, vocab]`` of its decodes' tokens, then of the last token of each
+    of its chunks that end their sequence's prompt (a lone chunk's row even when it does not)."""
     if isinstance(step, PrefillStep):
         chunk = chunk_input(step.seq, step.start, step.end, runner.image_token_id)
         extra: dict[str, Any] = {"num_prompt_tokens": chunk.num_prompt_tokens}
@@ -43,8 +43,10 @@ def prefill_forward(runner: PagedRunner, step: PrefillStep | PrefillBatch) -> Ca
         return functools.partial(
             runner.prefill, chunk.token_ids, chunk.start, chunk.block_table, chunk.image_rows, **extra
         )
-    chunks = [chunk_input(c.seq, c.start, c.end, runner.image_token_id) for c in step.chunks]
-    sampled = [i for i, c in enumerate(step.chunks) if c.is_last_chunk]
+    # a decode is a chunk of one token: its last, at its position (past the prompt: text, M-RoPE delta)
+    decodes = [chunk_input(s, s.num_tokens - 1, s.num_tokens, runner.image_token_id) for s in step.decodes]
+    chunks = decodes + [chunk_input(c.seq, c.start, c.end, runner.image_token_id) for c in step.chunks]
+    sampled = list(range(len(decodes))) + [len(decodes) + i for i, c in enumerate(step.chunks) if c.is_last_chunk]
 
     def forward() -> torch.Tensor:
         logits = runner.prefill_batch(chunks)

@@ -59,12 +59,15 @@ class Scheduler:
         image_token_id: int | None = None,
         atomic_image_spans: bool = False,
         max_prefill_seqs: int = 1,
+        mixed_chunk_tokens: int = 0,
     ) -> None:
         if decode_steps_per_prefill < 1:
             raise ValueError(f"decode_steps_per_prefill must be at least 1, got {decode_steps_per_prefill}")
         if max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs must be at least 1, got {max_prefill_seqs}")
         self.max_prefill_seqs = max_prefill_seqs
+        # decodes join a prefill step whose chunks are at most this long (0: never), in one forward
+        self.mixed_chunk_tokens = mixed_chunk_tokens
         self.allocator = allocator
         self.prefix_caching = prefix_caching
         self.image_token_id = image_token_id
@@ -192,10 +195,12 @@ class Scheduler:
                     self._grow(seq, end)
                     self._decodes_since_prefill = 0
                     first = PrefillStep(seq, start, end)
-                    if not first.is_last_chunk or not self._batchable(seq):
-                        return first
-                    chunks = [first, *self._more_chunks(budget - (end - start))]
-                    return first if len(chunks) == 1 else PrefillBatch(chunks)
+                    more = (
+                        self._more_chunks(budget - (end - start))
+                        if first.is_last_chunk and self._batchable(seq)
+                        else []
+                    )
+                    return self._with_decodes([first, *more])
                 decoding = [s for s in self.running if not s.is_prefilling]
         if not decoding:
             return None
@@ -203,6 +208,20 @@ class Scheduler:
         if step is not None:
             self._decodes_since_prefill += 1
         return step
+
+    def _with_decodes(self, chunks: list[PrefillStep]) -> PrefillStep | PrefillBatch:
+        """The prefill step of ``chunks``, with the running decodes in its forward when its chunks are
+        short enough and their blocks are free without preempting (a mixed step, as vLLM v1's)."""
+        decoding = [s for s in self.running if not s.is_prefilling]
+        short = max(c.end - c.start for c in chunks) <= self.mixed_chunk_tokens
+        forks = any(c.seq.num_siblings > 1 and not c.seq.has_forked for c in chunks)
+        if decoding and short and not forks:
+            if sum(self._blocks_for(s, s.num_tokens) for s in decoding) <= self.allocator.num_free:
+                for seq in decoding:
+                    self._grow(seq, seq.num_tokens)
+                self._decodes_since_prefill = 1  # a decode step as well
+                return PrefillBatch(chunks, decoding)
+        return chunks[0] if len(chunks) == 1 else PrefillBatch(chunks)
 
     def _batchable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s chunk may share a prefill step: not when it forks into n > 1 after it

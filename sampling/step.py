@@ -84,8 +84,11 @@ class StepParts:
         observed = self.record_timeline or self.tracer is not None  # the CPU clock only when read
         if isinstance(step, DecodeStep):
             timing.tokens = len(step.seqs)
+        elif isinstance(step, PrefillStep):
+            timing.tokens = step.end - step.start
         else:
-            timing.tokens = sum(c.end - c.start for c in ([step] if isinstance(step, PrefillStep) else step.chunks))
+            timing.tokens = len(step.decodes) + sum(c.end - c.start for c in step.chunks)
+            timing.kind = "mixed" if step.decodes else "prefill"
         started, cpu_started = time.perf_counter(), time.thread_time() if observed else 0.0
         try:
             seqs, logits, filled = self.launch(step, timing)
@@ -120,7 +123,10 @@ class StepParts:
         else:
             chunks = [step] if isinstance(step, PrefillStep) else step.chunks
             forward = prefill_forward(self.runner, step)
-            seqs = [c.seq for c in chunks if c.is_last_chunk]
+            seqs = [
+                *(step.decodes if isinstance(step, PrefillBatch) else []),
+                *(c.seq for c in chunks if c.is_last_chunk),
+            ]
             if not seqs:
                 self.timed(timing, forward)
                 self._computed(chunks)
@@ -139,6 +145,8 @@ class StepParts:
         timing.wait = time.perf_counter() - waited
         if chunks:
             self._computed(chunks)
+            for s in step.decodes if isinstance(step, PrefillBatch) else []:
+                s.num_computed = s.num_tokens
             # n > 1 forks only from a chunk of its own (the scheduler never batches it)
             if isinstance(step, PrefillStep) and step.seq.num_siblings > 1 and not step.seq.has_forked:
                 seqs = self._fork(step.seq)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sampling.sequence import Sequence
 
@@ -25,13 +25,15 @@ class PrefillStep:
 @dataclass(slots=True)
 class PrefillBatch:
     """One chunk of each of several sequences in one forward (a burst of short prompts, such as
-    prefix-cache hits): every chunk but the last one is its sequence's last."""
+    prefix-cache hits): every chunk but the last one is its sequence's last. With ``decodes``, the
+    same forward also runs the next token of each of those sequences (a mixed step)."""
 
     chunks: list[PrefillStep]
+    decodes: list[Sequence] = field(default_factory=list)
 
     @property
     def seqs(self) -> list[Sequence]:
-        return [c.seq for c in self.chunks]
+        return [*self.decodes, *(c.seq for c in self.chunks)]
 
 
 @dataclass(slots=True)

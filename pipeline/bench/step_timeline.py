@@ -44,16 +44,17 @@ def _split_intervals(steps: list[StepTiming]) -> tuple[list[float], list[float]]
             continue
         if last is not None:
             (with_prefill if prefilled else clean).append(step.start - last)
-        last, prefilled = step.start, False
+        last, prefilled = step.start, step.kind == "mixed"  # its prefill delays the next token
     return with_prefill, clean
 
 
 def summarise(windows: list[WindowSteps]) -> dict[str, float]:
     """Figures over ``windows`` together: per-step medians (ms), shares of the windows' wall time."""
     wall = sum(w.end - w.start for w in windows)
-    decodes = [s for w in windows for s in w.steps if s.kind == "decode"]
-    prefills = [s for w in windows for s in w.steps if s.kind == "prefill"]
-    intervals = [g for w in windows for g in _intervals([s.start for s in w.steps if s.kind == "decode"])]
+    # a mixed step (decodes and prefill chunks in one forward) counts as both
+    decodes = [s for w in windows for s in w.steps if s.kind in ("decode", "mixed")]
+    prefills = [s for w in windows for s in w.steps if s.kind in ("prefill", "mixed")]
+    intervals = [g for w in windows for g in _intervals([s.start for s in w.steps if s.kind in ("decode", "mixed")])]
     split = [_split_intervals(w.steps) for w in windows]
     with_prefill = [g for w, _ in split for g in w]
     clean = [g for _, c in split for g in c]

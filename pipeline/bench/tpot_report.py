@@ -24,7 +24,8 @@ def report(args: argparse.Namespace, kinds: list[str], measured: Measured, load_
         f" median of {args.repeats}, {machine()}, load {load_before} -> {load_average()};"
         f" prefill chunk beside decodes {args.chunk_with_decodes} tokens,"
         f" {args.decode_steps_per_prefill} decode step(s) between prefills,"
-        f" {args.prefill_seqs_per_step} sequence(s) a prefill step, engine process niceness {args.engine_nice}"
+        f" {args.prefill_seqs_per_step} sequence(s) a prefill step, decodes beside chunks of"
+        f" {args.mixed_chunk_tokens} tokens or fewer, engine process niceness {args.engine_nice}"
     )
     rows: list[list[Any]] = []
     per_mode: dict[str, dict[str, Any]] = {}

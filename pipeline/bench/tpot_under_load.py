@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill_seqs_per_step: sequences whose prefill chunks share one step (1: one a step)",
     )
     parser.add_argument(
+        "--mixed-chunk-tokens",
+        type=int,
+        default=PipelineConfig().mixed_chunk_tokens,
+        help="mixed_chunk_tokens: decodes join a prefill step whose chunks are this short (0: never)",
+    )
+    parser.add_argument(
         "--engine-nice",
         type=int,
         default=PipelineConfig().engine_process_nice,
@@ -199,6 +205,7 @@ async def _measure(
         decode_steps_per_prefill=args.decode_steps_per_prefill,
         prefill_seqs_per_step=args.prefill_seqs_per_step,
         engine_process_nice=args.engine_nice,
+        mixed_chunk_tokens=args.mixed_chunk_tokens,
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)

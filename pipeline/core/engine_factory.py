@@ -95,6 +95,7 @@ def build_llm_engine(
         chunk_tokens_with_decodes=config.prefill_chunk_tokens_with_decodes,
         decode_steps_per_prefill=config.decode_steps_per_prefill,
         max_prefill_seqs=config.prefill_seqs_per_step,
+        mixed_chunk_tokens=config.mixed_chunk_tokens,
         record_timeline=record_timeline or config.record_step_timeline,
         tracer=tracer,
         one_step_ahead=config.engine_one_step_ahead,

@@ -68,7 +68,8 @@ def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[tuple[str, int], S
 def scheduler_steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...]]:
     """Run ``num_steps`` of ``scheduler``'s steps as the engine would (K/V computed, a token sampled
     where one is): ("prefill", seq, start, end), ("prefills", (seq, start, end)...) for a batch of
-    chunks, and ("decode", seqs...) in order."""
+    chunks, ("mixed", (decoding seqs...), (seq, start, end)...) for decodes in its forward, and
+    ("decode", seqs...) in order."""
     ran: list[tuple[Any, ...]] = []
     for _ in range(num_steps):
         step = scheduler.schedule().step
@@ -76,6 +77,13 @@ def scheduler_steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...
             chunks = [step] if isinstance(step, PrefillStep) else step.chunks
             if isinstance(step, PrefillStep):
                 ran.append(("prefill", step.seq.seq_id, step.start, step.end))
+            elif step.decodes:
+                ran.append(
+                    ("mixed", tuple(s.seq_id for s in step.decodes), *((c.seq.seq_id, c.start, c.end) for c in chunks))
+                )
+                for s in step.decodes:
+                    s.num_computed = s.num_tokens
+                    s.output_ids.append(1)
             else:
                 ran.append(("prefills", *((c.seq.seq_id, c.start, c.end) for c in chunks)))
             for chunk in chunks:

@@ -81,3 +81,28 @@ def test_a_sequence_that_forks_prefills_alone() -> None:
 def test_max_prefill_seqs_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_prefill_seqs"):
         _scheduler(max_prefill_seqs=0)
+
+
+def test_decodes_join_a_step_of_short_chunks() -> None:
+    scheduler = Scheduler(
+        BlockAllocator(64),
+        block_size=BLOCK,
+        max_running=8,
+        chunk_tokens=32,
+        chunk_tokens_with_decodes=12,
+        max_prefill_seqs=8,
+        mixed_chunk_tokens=5,
+    )
+    scheduler.add(_seq(0, 3))
+    assert scheduler_steps(scheduler, 1) == [("prefill", 0, 0, 3)]
+    scheduler.add(_seq(1, 5))
+    scheduler.add(_seq(2, 9))
+    # a 7-token chunk is too long for the decodes to join; the last 2 tokens of its prompt are not,
+    # and the step after a mixed one may prefill again, as after a decode step
+    assert scheduler_steps(scheduler, 5) == [
+        ("decode", 0),
+        ("prefills", (1, 0, 5), (2, 0, 7)),
+        ("decode", 0, 1),
+        ("mixed", (0, 1), (2, 7, 9)),
+        ("decode", 0, 1, 2),
+    ]
