@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from sampling.image_spans import chunk_end
 from sampling.kv_cache import BlockAllocator, blocks_needed
+from sampling.prefill_batching import batched_prefill
 from sampling.prefix_cache import register_computed, take_cached_prefix
 from sampling.sequence import SeqState, Sequence
 from sampling.step_kinds import DecodeStep, PrefillBatch, PrefillStep, Schedule
@@ -93,11 +94,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
+    def blocks_for(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        seq.block_table += self.allocator.allocate(self._blocks_for(seq, num_tokens))
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        seq.block_table += self.allocator.allocate(self.blocks_for(seq, num_tokens))
 
     def release(self, seq: Sequence) -> None:
         """Free everything ``seq`` holds in the cache and forget it."""
@@ -123,14 +124,14 @@ class Scheduler:
         # copy of the last, partial block, or its first decode token's); cached blocks count as new
         return blocks_needed(seq.num_tokens + 1, self.block_size) + self._num_copies(seq) - 1
 
-    def _admit(self) -> Sequence | None:
+    def admit(self) -> Sequence | None:
         if not self.waiting or len(self.running) >= self.max_running:
             return None
         seq = self.waiting[0]
         need = self._blocks_to_admit(seq)
         if need > self.allocator.num_blocks:  # waiting would never help
             self._unfit.append(self.waiting.popleft())
-            return self._admit()
+            return self.admit()
         if need > self.allocator.num_free:
             return None
         self.waiting.popleft()
@@ -162,10 +163,10 @@ class Scheduler:
         if self._would_prefill(len(decoding)) or any(s.num_in_flight == 0 for s in decoding):
             return None
         seqs = [s for s in decoding if keep(s)]
-        if not seqs or sum(self._blocks_for(s, s.num_tokens_launched) for s in seqs) > self.allocator.num_free:
+        if not seqs or sum(self.blocks_for(s, s.num_tokens_launched) for s in seqs) > self.allocator.num_free:
             return None
         for seq in seqs:
-            self._grow(seq, seq.num_tokens_launched)
+            self.grow(seq, seq.num_tokens_launched)
         self._decodes_since_prefill += 1
         return DecodeStep(seqs)
 
@@ -186,21 +187,15 @@ class Scheduler:
         decoding = [s for s in self.running if not s.is_prefilling]
         want_prefill = prefilling is not None or bool(self.waiting)
         if want_prefill and self._prefill_due(bool(decoding)):
-            seq = prefilling or self._admit()
+            seq = prefilling or self.admit()
             if seq is not None:
                 start = seq.num_computed
                 budget = self.chunk_tokens_with_decodes if decoding else self.chunk_tokens
-                end = self._chunk_end(seq, start, budget)
+                end = self.chunk_end(seq, start, budget)
                 if self._reserve(seq, end):
-                    self._grow(seq, end)
+                    self.grow(seq, end)
                     self._decodes_since_prefill = 0
-                    first = PrefillStep(seq, start, end)
-                    more = (
-                        self._more_chunks(budget - (end - start))
-                        if first.is_last_chunk and self._batchable(seq)
-                        else []
-                    )
-                    return self._with_decodes([first, *more])
+                    return batched_prefill(self, PrefillStep(seq, start, end), budget)
                 decoding = [s for s in self.running if not s.is_prefilling]
         if not decoding:
             return None
@@ -209,53 +204,16 @@ class Scheduler:
             self._decodes_since_prefill += 1
         return step
 
-    def _with_decodes(self, chunks: list[PrefillStep]) -> PrefillStep | PrefillBatch:
-        """The prefill step of ``chunks``, with the running decodes in its forward when its chunks are
-        short enough and their blocks are free without preempting (a mixed step, as vLLM v1's)."""
-        decoding = [s for s in self.running if not s.is_prefilling]
-        short = max(c.end - c.start for c in chunks) <= self.mixed_chunk_tokens
-        forks = any(c.seq.num_siblings > 1 and not c.seq.has_forked for c in chunks)
-        if decoding and short and not forks:
-            if sum(self._blocks_for(s, s.num_tokens) for s in decoding) <= self.allocator.num_free:
-                for seq in decoding:
-                    self._grow(seq, seq.num_tokens)
-                self._decodes_since_prefill = 1  # a decode step as well
-                return PrefillBatch(chunks, decoding)
-        return chunks[0] if len(chunks) == 1 else PrefillBatch(chunks)
-
-    def _batchable(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s chunk may share a prefill step: not when it forks into n > 1 after it
-        (its children copy its K/V and logits row by row: that step runs it alone)."""
-        return self.max_prefill_seqs > 1 and (seq.num_siblings == 1 or seq.has_forked)
-
-    def _more_chunks(self, budget: int) -> list[PrefillStep]:
-        """The chunks of the next waiting sequences that join a prefill step with ``budget`` tokens
-        left, admitted in order; a sequence admitted whose chunk cannot join (over the budget, or
-        its blocks not free without preempting) prefills in a later step."""
-        chunks: list[PrefillStep] = []
-        while budget > 0 and len(chunks) + 1 < self.max_prefill_seqs and self.waiting:
-            if not self._batchable(self.waiting[0]):
-                break
-            seq = self._admit()
-            if seq is None:
-                break
-            start = seq.num_computed
-            end = self._chunk_end(seq, start, budget)
-            if not start < end <= start + budget or self._blocks_for(seq, end) > self.allocator.num_free:
-                break
-            self._grow(seq, end)
-            chunks.append(PrefillStep(seq, start, end))
-            budget -= end - start
-            if end < seq.num_tokens:  # its prompt goes on next step: the batch ends with it
-                break
-        return chunks
+    def note_mixed_step(self) -> None:
+        """A prefill step ran the decodes too: it counts as a decode step for the cadence."""
+        self._decodes_since_prefill = 1
 
     def _prefill_due(self, decoding: bool) -> bool:
         """Whether a prefill chunk may run this step: always when nothing decodes, and beside decodes
         once ``decode_steps_per_prefill`` decode steps have run since the last one."""
         return not decoding or self._decodes_since_prefill >= self.decode_steps_per_prefill
 
-    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
+    def chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         """Where the prefill chunk starting at ``start`` ends: ``budget`` tokens later at most, and
         with ``atomic_image_spans`` never inside an image span (sampling/image_spans.py)."""
         end = min(seq.num_tokens, start + budget)
@@ -271,7 +229,7 @@ class Scheduler:
         """Make room for the prefill chunk ending at ``end`` (and, on the last chunk, for the children
         it forks into), preempting the newest running sequences. Decodes that grew since ``seq`` was
         admitted may have taken its room: then it may be the one preempted (False)."""
-        need = self._blocks_for(seq, end)
+        need = self.blocks_for(seq, end)
         if end == seq.num_tokens:  # each child copies the last block if it is partial
             need += (self._num_copies(seq) - 1) * (blocks_needed(end, self.block_size) - end // self.block_size)
         while need > self.allocator.num_free:
@@ -285,7 +243,7 @@ class Scheduler:
         for seq in list(decoding):
             if seq not in decoding:
                 continue  # preempted to make room for an older one
-            while self._blocks_for(seq, seq.num_tokens) > self.allocator.num_free:
+            while self.blocks_for(seq, seq.num_tokens) > self.allocator.num_free:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:  # alone and still out of room
                     self.release(seq)
@@ -298,7 +256,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in decoding:
-                self._grow(seq, seq.num_tokens)
+                self.grow(seq, seq.num_tokens)
         return DecodeStep(decoding) if decoding else None
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[list[int], list[int]]:

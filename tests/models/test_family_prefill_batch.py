@@ -15,6 +15,7 @@ from sampling.hf_adapter import HFModelRunner
 from sampling.paged_runner import PrefillChunk
 from tests.models import test_gemma3_vlm as gemma3
 from tests.models import test_mrope_families as mrope
+from tests.models.test_text_families import TEXT_FAMILIES
 from vision.checkpoint import Checkpoint
 
 FamilyDir = Callable[[str], Path]
@@ -100,3 +101,35 @@ def test_gemma3_image_spans_of_several_chunks_share_a_forward(family_dir: Family
         text_want = reference(input_ids=torch.tensor([text])).logits[0, -1]
     torch.testing.assert_close(logits[0], text_want, atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[1], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_decodes_and_a_chunk_share_a_forward(family: str, family_dir: FamilyDir) -> None:
+    """A mixed step (two decodes as one-token chunks beside a prefill chunk) gives the logits of the
+    decode step and of the lone chunk, within 1e-4, for every text family (sliding windows, soft-caps)."""
+    runner = build_runner(
+        Checkpoint(family_dir(family)),
+        impl="transformers",
+        device="cpu",
+        max_model_len=256,
+        num_blocks=32,
+        block_size=16,
+    )
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(10, 300, (n,), generator=gen).tolist() for n in (21, 9, 14)]
+    tables = [[3, 4], [5], [6], [13, 14], [15], [16]]  # each sequence twice: alone, then mixed
+    for i in range(2):
+        runner.prefill(seqs[i][:-1], 0, tables[i], None)
+        runner.prefill(seqs[i][:-1], 0, tables[i + 3], None)
+    positions = [len(seqs[0]) - 1, len(seqs[1]) - 1]
+    decoded = runner.decode([seqs[0][-1], seqs[1][-1]], runner.decode_inputs(positions, tables[:2]))
+    alone = runner.prefill(seqs[2], 0, tables[2], None)
+    mixed = runner.prefill_batch(
+        [
+            PrefillChunk([seqs[0][-1]], positions[0], tables[3], None),
+            PrefillChunk([seqs[1][-1]], positions[1], tables[4], None),
+            PrefillChunk(seqs[2], 0, tables[5], None),
+        ]
+    )
+    torch.testing.assert_close(mixed[:2], decoded, atol=ATOL, rtol=0)
+    torch.testing.assert_close(mixed[2], alone[0], atol=ATOL, rtol=0)

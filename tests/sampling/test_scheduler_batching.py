@@ -97,12 +97,12 @@ def test_decodes_join_a_step_of_short_chunks() -> None:
     assert scheduler_steps(scheduler, 1) == [("prefill", 0, 0, 3)]
     scheduler.add(_seq(1, 5))
     scheduler.add(_seq(2, 9))
-    # a 7-token chunk is too long for the decodes to join; the last 2 tokens of its prompt are not,
-    # and the step after a mixed one may prefill again, as after a decode step
-    assert scheduler_steps(scheduler, 5) == [
+    # a 5-token chunk is short: the decode joins its forward, and its 5 tokens are the mixed step's
+    # whole prefill budget; the step after it may prefill again, as after a decode step, but a
+    # 9-token chunk is too long for the decodes to join
+    assert scheduler_steps(scheduler, 4) == [
         ("decode", 0),
-        ("prefills", (1, 0, 5), (2, 0, 7)),
-        ("decode", 0, 1),
-        ("mixed", (0, 1), (2, 7, 9)),
+        ("mixed", (0,), (1, 0, 5)),
+        ("prefill", 2, 0, 9),
         ("decode", 0, 1, 2),
     ]
