@@ -10,7 +10,11 @@ processed and encoded) and every request with one image (``repeated``: encoder-c
 first, so what remains is the serving process's own work per request). The burst's requests are
 only prepared; ``--burst-tokens N`` serves each to N tokens, so their prefills share the engine's steps,
 and the table adds the burst's time to first token (from each request's submit, p50 and p99 over
-the repeats). ``--decode-steps-per-prefill K`` sets the scheduler's prefill cadence beside decodes.
+the repeats). ``--decode-steps-per-prefill K`` sets the scheduler's prefill cadence beside decodes,
+``--prefill-seqs-per-step`` how many sequences' chunks one prefill step may run, ``--mixed-chunk-tokens``
+how short chunks must be for the running decodes to join their forward (and the tokens such a mixed
+step prefills), and ``--engine-nice`` the engine process's niceness. The load generator is this
+process: the burst's requests are submitted to the pipeline in-process, no HTTP client runs beside it.
 
 ``--timeline``: the engine records every step, and a second table splits the decodes' time per token,
 idle and during the burst, into decode steps, prefill steps and time outside steps
