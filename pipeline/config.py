@@ -140,16 +140,17 @@ class PipelineConfig:
     # (tpot-under-load) reach the engine slower than alternation allows, and show no gain: 1.
     decode_steps_per_prefill: int = 1
     # How many sequences' prefill chunks one step may run in one forward, within the chunk's token
-    # budget (sampling/scheduler.py): a burst of short prompts (prefix-cache hits of a popular
-    # image, ~17 tokens each) then costs a few steps beside the decodes instead of one each. 1: a
-    # prefill step runs one sequence's chunk.
-    prefill_seqs_per_step: int = 16
+    # budget (sampling/prefill_batching.py). A burst of short prompts (prefix-cache hits of a popular
+    # image, ~17 tokens each) then costs a few steps instead of one each: the burst is served sooner,
+    # but on the 2-core CPU a prefill's cost is mostly its own compute (attention over the cached
+    # prompt), not the step's dispatch, so sharing a forward does not make it cheaper for the decodes
+    # it delays (bench tpot-under-load --burst-tokens 1 --prefill-seqs-per-step N --mixed-chunk-tokens
+    # T measures both). 1: one sequence a prefill step.
+    prefill_seqs_per_step: int = 1
     # Running decodes join a prefill step whose chunks are at most this many tokens, in one forward
-    # (a mixed step, as vLLM v1 schedules them): on a CPU, where a step's cost is mostly its ~100
-    # dispatches, a short prefill beside the decodes then adds a fraction of a step to their token
-    # instead of a step of its own. Longer chunks run alone (a decode row is padded to the longest
-    # chunk in attention). 0: never.
-    mixed_chunk_tokens: int = 64
+    # (a mixed step, as vLLM v1 schedules them), which then prefills at most this many tokens; a decode
+    # row is padded to the longest chunk in attention. 0: never (see prefill_seqs_per_step).
+    mixed_chunk_tokens: int = 0
     default_max_tokens: int = 256
     # commands sent to the engine and not yet read (it reads between steps): the bound of what is in
     # flight to it, not a refusal. A prepared request that finds it full waits for room (admission

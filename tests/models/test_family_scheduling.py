@@ -57,8 +57,9 @@ def _generate(model: Any, ids: list[int]) -> list[int]:
     return list(out[0, len(ids) :].tolist())
 
 
-def _engine(folder: Path, num_kv_blocks: int, max_running: int = 8) -> LLMEngine:
+def _engine(folder: Path, num_kv_blocks: int, max_running: int = 8, **overrides: Any) -> LLMEngine:
     config = PipelineConfig(
+        **overrides,
         model=str(folder),
         device="cpu",
         model_impl="transformers",
@@ -81,14 +82,20 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], **params: Any) -> dic
     return merged
 
 
+# prefill chunks of several sequences in one forward, and decodes beside short ones (a mixed step)
+BATCHED = {"prefill_seqs_per_step": 16, "mixed_chunk_tokens": 32}
+
+
+@pytest.mark.parametrize("steps", [{}, BATCHED], ids=["one-a-step", "batched"])
 @pytest.mark.parametrize("family", TEXT_FAMILIES)
-def test_preempted_sequences_answer_as_generate(family: str, family_dir: FamilyDir) -> None:
+def test_preempted_sequences_answer_as_generate(family: str, family_dir: FamilyDir, steps: dict[str, int]) -> None:
     folder = family_dir(family)
     prompts = _prompts(folder)
     reference = _reference(folder)
     expected = {f"p{i}": _generate(reference, ids) for i, ids in enumerate(prompts)}
     # room for the longest answer alone, and for one more block: the sequences must take turns
-    engine = _engine(folder, num_kv_blocks=max(blocks_needed(len(p) + MAX_TOKENS, 16) for p in prompts) + 1)
+    blocks = max(blocks_needed(len(p) + MAX_TOKENS, 16) for p in prompts) + 1
+    engine = _engine(folder, num_kv_blocks=blocks, **steps)
     outputs = _run(engine, {f"p{i}": ids for i, ids in enumerate(prompts)}, temperature=0.0)
     assert engine.scheduler.num_preemptions > 0
     assert {k[0]: o.token_ids for k, o in outputs.items()} == expected
