@@ -2,7 +2,7 @@
 and the running decodes when the chunks are short (``mixed_chunk_tokens``: a mixed step, as vLLM v1
 schedules decodes and prefill chunks under one token budget).
 
-A mixed step's prefill tokens are at most ``mixed_chunk_tokens`` (not the chunk budget): each of its
+A mixed step's prefill tokens are at most ``mixed_chunk_tokens`` (and the chunk budget): each of its
 decodes waits for the whole forward, so a burst of short prompts adds a little to many decode
 tokens, where a batch under the full budget would add a lot to a few. A chunk that forks into n > 1
 runs alone, and decodes join only when their blocks are free without preempting.
@@ -27,7 +27,7 @@ def batched_prefill(sched: Scheduler, first: PrefillStep, budget: int) -> Prefil
     decoding = [s for s in sched.running if not s.is_prefilling and s is not first.seq]
     mixing = bool(decoding) and length <= sched.mixed_chunk_tokens and _batchable(sched, first.seq, alone=True)
     if mixing:
-        budget = sched.mixed_chunk_tokens
+        budget = min(budget, sched.mixed_chunk_tokens)
     more = _more_chunks(sched, budget - length) if first.is_last_chunk and _batchable(sched, first.seq) else []
     chunks = [first, *more]
     if mixing:

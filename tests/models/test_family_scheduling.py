@@ -83,7 +83,7 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], **params: Any) -> dic
 
 
 # prefill chunks of several sequences in one forward, and decodes beside short ones (a mixed step)
-BATCHED = {"prefill_seqs_per_step": 16, "mixed_chunk_tokens": 32}
+BATCHED = {"prefill_seqs_per_step": 16, "mixed_chunk_tokens": 64}
 
 
 @pytest.mark.parametrize("steps", [{}, BATCHED], ids=["one-a-step", "batched"])
