@@ -9,7 +9,7 @@ import pytest
 
 from sampling.kv_cache import BlockAllocator
 from sampling.params import SamplingParams
-from sampling.scheduler import Scheduler
+from sampling.scheduler import PrefillBatch, Scheduler
 from sampling.sequence import Sequence
 from tests.sampling.helpers import scheduler_steps
 
@@ -106,3 +106,31 @@ def test_decodes_join_a_step_of_short_chunks() -> None:
         ("prefill", 2, 0, 9),
         ("decode", 0, 1, 2),
     ]
+
+
+def test_a_replay_with_all_but_its_last_token_cached_is_a_chunk_not_a_decode() -> None:
+    """Such a replay is not prefilling (its cached prefix reaches its last token), yet its last token
+    is its chunk: a mixed step must not decode it too."""
+    scheduler = Scheduler(
+        BlockAllocator(64),
+        block_size=BLOCK,
+        max_running=8,
+        chunk_tokens=32,
+        chunk_tokens_with_decodes=12,
+        prefix_caching=True,
+        max_prefill_seqs=8,
+        mixed_chunk_tokens=12,
+    )
+    first, second, third = _seq(0, 7), _seq(1, 7), _seq(2, 3)
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    steps = [("prefills", (0, 0, 7), (1, 0, 7), (2, 0, 3)), ("decode", 0, 1, 2)]
+    assert scheduler_steps(scheduler, 2) == steps
+    for seq in (first, second):
+        scheduler.cache_computed(seq)
+    scheduler._preempt(second)  # oldest first in the queue: [first, second]
+    scheduler._preempt(first)
+    assert first.num_tokens == second.num_tokens == 9
+    step = scheduler.schedule().step
+    assert isinstance(step, PrefillBatch) and step.decodes == [third]
+    assert [(c.seq.seq_id, c.start, c.end) for c in step.chunks] == [(0, 8, 9), (1, 8, 9)]
