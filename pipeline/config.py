@@ -161,8 +161,9 @@ class PipelineConfig:
     # (pipeline/core/engine_client.py), so the event loop and the decode loop never share a GIL.
     engine_mode: str = "thread"
     # process mode: an engine that holds requests and sends nothing for this long is killed and
-    # started again (its requests get a 503 engine_failed); it sends at least once a second while it
-    # works, so this bounds one step (a long prefill on a CPU included)
+    # started again (its requests get a 503 engine_failed); it sends at least 4 times a second while it
+    # works or compiles a grammar whose verdict is awaited, so this bounds one step (a long prefill on
+    # a CPU included), not a compile
     engine_step_timeout_s: float = 60.0
     engine_start_timeout_s: float = 300.0  # process mode: loading the model in a new engine process
     # process mode: torch's intra-op threads in the engine process; 0: torch's default (one per core).

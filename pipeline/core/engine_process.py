@@ -19,7 +19,7 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("grammars_idle", token) ────────────▶ ◀── GrammarsIdle(token)   once no compile runs
                                         ◀──  Step(outputs of all sequences, figures, traced step spans)
                                              once per step
-                                        ◀──  Alive, after a second without a message while it
+                                        ◀──  Alive, after a quarter second without a message while it
                                              has work or compiles a grammar whose verdict is awaited
     ("stop",) ───────────────────────────▶   exits
 
@@ -71,7 +71,11 @@ from vision.heap import freeze_heap
 
 __all__ = ["EngineProcessSpec", "SpanBuffer", "figures", "main"]
 
-ALIVE_EVERY_S = 1.0  # a message at least this often while the engine has work (the hang detector reads it)
+# a message at least this often while the engine has work or owes an answer (the hang detector reads
+# it): well under the shortest hang deadline that makes sense (a second), so that deadline holds on a
+# loaded machine while a grammar compiles for many seconds. Four small frames a second, only while
+# the engine owes and has no step to report.
+ALIVE_EVERY_S = 0.25
 
 
 logger = logging.getLogger(__name__)
@@ -164,7 +168,8 @@ class EngineServer:
         while True:
             busy = engine.has_work()
             owes = bool(self._waiting) or self.grammars.owes  # answers the serving process awaits
-            timeout = 0.0 if busy else (ALIVE_EVERY_S if owes else None)
+            # owed: wake when the next Alive is due (a command read meanwhile does not postpone it)
+            timeout = 0.0 if busy else (max(0.0, self._sent_at + ALIVE_EVERY_S - time.monotonic()) if owes else None)
             if not self._read(timeout):
                 return
             outputs = self._admit_compiled()
@@ -174,7 +179,7 @@ class EngineServer:
             if outputs or spans:
                 self.send(Step(outputs, self._num_read, *self._figures(), spans=spans))
             elif self._num_read != self._num_acked or (
-                (busy or owes) and time.monotonic() - self._sent_at > ALIVE_EVERY_S
+                (busy or owes) and time.monotonic() - self._sent_at >= ALIVE_EVERY_S
             ):
                 # commands read and no step to say so (adds aborted at once, a barrier's aborts):
                 # the serving process bounds the commands it has not seen read
