@@ -64,6 +64,7 @@ class Pipeline:
         self.metrics = Metrics()
         self.metrics.pending = lambda: self.num_pending
         self.metrics.running = lambda: len(self._handles)
+        self.metrics.waiting_for_engine = lambda: self._engine.room.num_waiting if self._engine is not None else 0
         self.metrics.engine = self.decoding
         self._exporter = MetricsExporter(self.metrics)
         for cache in ("encoder", "kv_prefix"):  # read at scrape time; absent while off

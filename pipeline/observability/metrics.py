@@ -78,6 +78,7 @@ class Metrics:
     # gauges read at scrape time, set by the Pipeline
     pending: Callable[[], int] = lambda: 0  # admitted, in the stages
     running: Callable[[], int] = lambda: 0  # handles not yet done
+    waiting_for_engine: Callable[[], int] = lambda: 0  # prepared, waiting for room in the engine's queue
     engine: Callable[[], Mapping[str, int]] = dict  # AsyncEngine.stats()
     caches: dict[str, CacheStatsSource] = field(default_factory=dict)
 

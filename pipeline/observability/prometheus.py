@@ -99,6 +99,11 @@ class PipelineCollector(Collector):
         yield jobs
         yield GaugeMetricFamily("pipeline_requests_pending", "requests admitted and in the stages", value=m.pending())
         yield GaugeMetricFamily("pipeline_requests_running", "requests admitted and not yet done", value=m.running())
+        yield GaugeMetricFamily(
+            "pipeline_requests_waiting_for_engine",
+            "prepared requests waiting for room in the engine's command queue",
+            value=m.waiting_for_engine(),
+        )
         yield CounterMetricFamily("pipeline_tokens_generated", "tokens sampled", value=m.tokens_generated)
         yield _histogram("pipeline_time_to_first_token_seconds", "submit to first token", {}, m.ttft)
         yield _histogram("pipeline_time_per_output_token_seconds", "per output token after the first", {}, m.tpot)

@@ -13,10 +13,13 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import PipelineConfig
+from pipeline.api.server import create_app
 from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
@@ -25,6 +28,7 @@ from pipeline.errors import EngineFailed, Overloaded, RequestCancelled
 from sampling.async_engine import AsyncEngine
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
+from tests.servers import serving
 from tests.stages.test_process_pool import wait_gone
 
 QUEUE = 2  # engine_queue_size: a burst of a few requests overflows it
@@ -108,6 +112,32 @@ async def test_a_burst_larger_than_the_engine_queue_is_served_whole(pipe: Pipeli
             assert (await handle.result()).completion_tokens == 3
         await assert_released(pipe)
     assert pipe.metrics.requests["refused"] == 0
+
+
+async def _scraped(pipe: Pipeline, name: str) -> float:
+    """``name``'s value as ``GET /metrics`` of a server on ``pipe`` shows it."""
+    async with serving(create_app(pipe)) as base, aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    assert len(values) == 1, f"{name} in /metrics: {values}"
+    return values[0]
+
+
+async def test_the_requests_waiting_for_room_are_a_gauge_in_metrics(pipe: Pipeline) -> None:
+    gauge = "pipeline_requests_waiting_for_engine"
+    with anyio.fail_after(120):
+        assert await _scraped(pipe, gauge) == 0
+        async with engine_paused(pipe) as held:
+            handles = [await pipe.submit(text(i)) for i in range(6)]
+            await settle(pipe)
+            assert pipe.engine.room.num_waiting == 4
+            assert await _scraped(pipe, gauge) == 4
+        for handle in held + handles:
+            assert (await handle.result()).completion_tokens == 3
+        assert await _scraped(pipe, gauge) == 0
+        await assert_released(pipe)
 
 
 async def test_admission_counts_the_requests_waiting_for_room(pipe: Pipeline) -> None:

@@ -35,6 +35,7 @@ TYPES = {
     "pipeline_preparation_jobs_total": "counter",
     "pipeline_requests_pending": "gauge",
     "pipeline_requests_running": "gauge",
+    "pipeline_requests_waiting_for_engine": "gauge",
     "pipeline_stage_queue_depth": "gauge",
     "pipeline_stage_in_flight": "gauge",
     "pipeline_stage_completed_total": "counter",
@@ -160,6 +161,7 @@ async def test_every_documented_family_is_exported_with_its_type(served: Served)
     ]
     assert value("pipeline_preparation_jobs_total", outcome="failed") == 1
     assert value("pipeline_requests_pending") == value("pipeline_requests_running") == 0
+    assert value("pipeline_requests_waiting_for_engine") == 0
     for stage in ("fetch", "decode", "template", "vision"):
         assert value("pipeline_stage_queue_depth", stage=stage) == value("pipeline_stage_in_flight", stage=stage) == 0
         assert value("pipeline_stage_latency_seconds_count", stage=stage) >= 1
