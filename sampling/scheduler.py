@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 
 from sampling.image_spans import chunk_end
 from sampling.kv_cache import BlockAllocator, blocks_needed
@@ -175,7 +176,7 @@ class Scheduler:
         (after a decode step, whose ``num_decoding`` running sequences still decode)."""
         if not self._prefill_due(num_decoding > 0):
             return False
-        if num_decoding < len(self.running):  # some running sequence is still prefilling
+        if any(s.is_prefilling and not s.held_for_grammar for s in self.running):  # a prefill goes on
             return True
         if not self.waiting or len(self.running) >= self.max_running:
             return False
@@ -183,12 +184,12 @@ class Scheduler:
         return need <= self.allocator.num_free or need > self.allocator.num_blocks
 
     def _next_step(self) -> PrefillStep | PrefillBatch | DecodeStep | None:
-        prefilling = next((s for s in self.running if s.is_prefilling), None)
+        prefilling = next((s for s in self.running if s.is_prefilling and not s.held_for_grammar), None)
         decoding = [s for s in self.running if not s.is_prefilling]
         want_prefill = prefilling is not None or bool(self.waiting)
         if want_prefill and self._prefill_due(bool(decoding)):
             seq = prefilling or self.admit()
-            if seq is not None:
+            if seq is not None and not seq.held_for_grammar:
                 start = seq.num_computed
                 budget = self.chunk_tokens_with_decodes if decoding else self.chunk_tokens
                 end = self.chunk_end(seq, start, budget)
@@ -204,6 +205,14 @@ class Scheduler:
             self._decodes_since_prefill += 1
         return step
 
+    def await_grammars(self, timeout: float) -> None:
+        """Nothing can run but sequences held for their grammars' compiles: wait for the first compile
+        to end, ``timeout`` seconds at most (so a command arriving meanwhile waits no longer), rather
+        than spin the step loop."""
+        compiles = [s.grammar for s in self.running if s.held_for_grammar]
+        if compiles:
+            futures.wait(compiles, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+
     def note_mixed_step(self) -> None:
         """A prefill step ran the decodes too: it counts as a decode step for the cadence."""
         self._decodes_since_prefill = 1
@@ -217,6 +226,8 @@ class Scheduler:
         """Where the prefill chunk starting at ``start`` ends: ``budget`` tokens later at most, and
         with ``atomic_image_spans`` never inside an image span (sampling/image_spans.py)."""
         end = min(seq.num_tokens, start + budget)
+        if seq.grammar_compiling:  # the token that samples waits for the grammar, in a chunk of its own
+            end = min(end, seq.num_tokens - 1)
         image = self.atomic_image_token
         return end if image is None else chunk_end(seq.prompt_ids, image, start, end)
 

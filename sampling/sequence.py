@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,17 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True until every token but the last sampled one has its K/V in the cache."""
         return self.num_computed < self.num_tokens - (1 if self.output_ids else 0)
+
+    @property
+    def grammar_compiling(self) -> bool:
+        """Whether its grammar is still compiling (a ``Future``: its request entered the engine
+        first, pipeline/core/grammar_overlap.py); it cannot sample until the compile ends."""
+        return isinstance(self.grammar, Future) and not self.grammar.done()
+
+    @property
+    def held_for_grammar(self) -> bool:
+        """Prefilled but for the token that samples, whose chunk waits for the grammar's compile."""
+        return self.grammar_compiling and self.num_computed >= self.num_tokens - 1
 
     def image_rows(self, start: int, end: int, image_token_id: int | None) -> torch.Tensor | None:
         """Embedding rows of the prompt's image tokens that fall in positions ``[start, end)``."""

@@ -45,6 +45,10 @@ __all__ = ["StepParts"]
 
 logger = logging.getLogger(__name__)
 
+# With nothing to run but sequences held for their grammars' compiles, the loop waits this long at
+# most for one to end before it looks at its commands again (a new request waits no longer)
+_GRAMMAR_WAIT_S = 0.002
+
 
 class StepParts:
     """The parts of a step over the engine's runner, scheduler, requests and sampler; one per engine."""
@@ -74,6 +78,8 @@ class StepParts:
     def schedule(self) -> tuple[PrefillStep | PrefillBatch | DecodeStep | None, list[SeqOutput]]:
         """The next step (None: nothing can run), and the outputs of the sequences failed as unfit on the way."""
         schedule = self.scheduler.schedule()
+        if schedule.step is None and not schedule.unfit:
+            self.scheduler.await_grammars(_GRAMMAR_WAIT_S)
         total = self.scheduler.allocator.num_blocks * self.runner.block_size
         message = f"the sequence needs more KV cache than the whole cache holds ({total} tokens)"
         return schedule.step, [out for seq in schedule.unfit for out in self.requests.fail(seq, message)]
@@ -214,8 +220,9 @@ class StepParts:
 
     def ensure_matcher(self, seq: Sequence) -> None:
         """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
-        (after a preemption); none before its trigger token. A grammar still compiling is waited for
-        here (on the fill thread, beside the prefill's forward: sampling/guided.py, resolve_grammar).
+        (after a preemption); none before its trigger token. The scheduler gives no sequence the chunk
+        that samples while its grammar compiles, so the compile has ended here (sampling/guided.py,
+        resolve_grammar, which would wait for it otherwise).
 
         :raises GrammarUnavailable: its grammar did not compile."""
         start = seq.grammar_start

@@ -232,7 +232,7 @@ class EngineServer:
         grammar = self.grammars.cached(spec)  # compiled since its verdict, almost always
         if grammar is None and inp.grammar_pending:
             # sent before its verdict (a short preparation): it prefills while the grammar compiles,
-            # its first sample waits for the compile (a refusal fails it there, unsampled)
+            # its sampling chunk waits for the compile (a refusal fails it there, unsampled)
             grammar = self.grammars.grammar_of(spec)
         if grammar is None:
             self._waiting[inp.request_id] = _Waiting(inp, self.grammars.get(spec))

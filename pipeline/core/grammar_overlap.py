@@ -2,7 +2,8 @@
 
 A text-only or cached-image request's preparation ends in about a millisecond and hides nothing of a
 new schema's compile: such a request goes to the engine at once, its prefill runs beside the compile
-and its first sample waits for the grammar (``sampling.guided.resolve_grammar``), while its handle
+but for the token that samples, whose chunk the scheduler holds until the grammar is compiled (no
+step ever waits for a compile: sampling/scheduler.py), while its handle
 waits for the compile's verdict before any token leaves (a refused spec is still the 400 naming its
 field). An engine in this process waits on a ``Future`` of the grammar (``settle`` fills it); one in
 its own process on its own compile of the spec.

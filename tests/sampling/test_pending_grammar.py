@@ -1,9 +1,11 @@
 """A sequence added while its grammar still compiles (a Future): its prefill runs beside the compile,
-its first sample waits for it, and a compile that fails fails the sequence unsampled, releasing it."""
+its sampling chunk waits for it while other sequences go on decoding, and a compile that fails
+fails the sequence unsampled, releasing it."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,7 +44,7 @@ def test_a_grammar_that_lands_during_the_prefill_constrains_the_first_token_on(
     engine = new_engine()
     pending: Future[Any] = Future()
     _landing_with_the_prefill(
-        engine, monkeypatch, lambda: pending.set_result(grammar_compilers[1].compile(spec).grammar)
+        engine, monkeypatch, lambda: pending.done() or pending.set_result(grammar_compilers[1].compile(spec).grammar)
     )
     add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0, n=n)
     outputs = run_all(engine)
@@ -87,3 +89,41 @@ def test_an_llguidance_grammar_gives_its_validating_matcher_to_its_first_sequenc
     tokens = grammar.tokenizer.tokenize_bytes(b'{"name":"ab","n":1}')
     taken = [first.accept_token(t) for t in tokens]
     assert taken[0] and taken == [second.accept_token(t) for t in tokens]  # the same state, the same answers
+
+
+def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
+    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any]
+) -> None:
+    """A compile of seconds (xgrammar's, where llguidance refused the spec) must not stall the step
+    loop: the other request decodes to its end while the pending one waits, prefilled but for its
+    last token, then samples under its grammar exactly as with the grammar known from the start."""
+    spec = GrammarSpec("json_schema", SCHEMA)
+    grammar = grammar_compilers[1].compile(spec).grammar
+    ids = prompt(hf_tokenizer, "pending")
+    engine = new_engine()
+    expected = run_all(_with(new_engine, "pending", ids, grammar, 1))[("pending", 0)]
+    pending: Future[Any] = Future()
+    # a safety net only: were a step to wait for the compile, it would wait this long, then the
+    # assertions below fail (instead of the test hanging)
+    guard = threading.Timer(10.0, lambda: pending.done() or pending.set_result(grammar))
+    guard.start()
+    try:
+        add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0)
+        add(engine, "other", prompt(hf_tokenizer, "other"), max_tokens=6, temperature=0.0, ignore_eos=True)
+        other: list[int] = []
+        for _ in range(50):
+            for out in engine.step():
+                assert out.request_id == "other"  # nothing of the pending request is sampled
+                other += out.token_ids
+            if len(other) == 6:
+                break
+        landed_before = pending.done()
+        held = engine.requests["pending"].seqs[0]
+        assert (len(other), landed_before) == (6, False)
+        assert held.held_for_grammar and held.num_computed == len(ids) - 1 and not held.output_ids
+        pending.set_result(grammar)
+    finally:
+        guard.cancel()
+    outputs = run_all(engine)
+    assert outputs[("pending", 0)].token_ids == expected.token_ids
+    assert outputs[("pending", 0)].finish_reason == expected.finish_reason == "stop"
