@@ -209,7 +209,7 @@ class Scheduler:
         """Nothing can run but sequences held for their grammars' compiles: wait for the first compile
         to end, ``timeout`` seconds at most (so a command arriving meanwhile waits no longer), rather
         than spin the step loop."""
-        compiles = [s.grammar for s in self.running if s.held_for_grammar]
+        compiles = [s.grammar for s in self.running if s.held_for_grammar and isinstance(s.grammar, futures.Future)]
         if compiles:
             futures.wait(compiles, timeout=timeout, return_when=futures.FIRST_COMPLETED)
 
