@@ -127,3 +127,24 @@ def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
     outputs = run_all(engine)
     assert outputs[("pending", 0)].token_ids == expected.token_ids
     assert outputs[("pending", 0)].finish_reason == expected.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("batching", [{"max_prefill_seqs": 4}, {"mixed_chunk_tokens": 64}])
+def test_a_failed_compile_in_a_batching_engine_fails_only_its_own_request(
+    new_engine: NewEngine, hf_tokenizer: Any, batching: dict[str, int]
+) -> None:
+    """With prefill batching or mixed steps on, the request whose compile failed still fails alone:
+    its sampling chunk shares no forward with another request's chunk or decodes."""
+    engine = new_engine(**batching)
+    refusal = GrammarError("the schema admits no value", field="response_format")
+    failed: Future[Any] = Future()
+    failed.set_exception(refusal)
+    add(engine, "busy", prompt(hf_tokenizer, "busy"), max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.step()  # its prefill: it decodes from now on
+    add(engine, "refused", prompt(hf_tokenizer, "refuse"), failed, max_tokens=8, temperature=0.0)
+    add(engine, "free", prompt(hf_tokenizer, "free"), max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = run_all(engine)
+    assert outputs[("refused", 0)].error_kind == "constraint" and not outputs[("refused", 0)].token_ids
+    # "busy" sampled its first token in the step above
+    assert [len(outputs[(other, 0)].token_ids) for other in ("busy", "free")] == [7, 8]
+    assert all(outputs[(other, 0)].finish_reason == "length" for other in ("busy", "free"))
