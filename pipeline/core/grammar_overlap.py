@@ -22,8 +22,9 @@ from stages.grammar_types import CompiledConstraint
 __all__ = ["overlaps", "settle"]
 
 # Kinds llguidance compiles in milliseconds wherever the backend choice lets it (it stands in for
-# xgrammar in auto): the step that samples the request waits for the compile. Grammars and structural
-# tags may wait for xgrammar's compile (seconds), which would hold that step.
+# xgrammar in auto): the chunk that samples the request waits for the compile (the scheduler holds it).
+# Grammars and structural tags may wait for xgrammar's compile (seconds): they keep the path where the
+# request is sent after its verdict.
 _OVERLAP_KINDS = LLGUIDANCE_KINDS - PARSED_KINDS
 
 
