@@ -32,8 +32,8 @@ class EngineInput:
     image_embeds: torch.Tensor | None  # [num image tokens in the prompt, hidden], or None
     sampling: SamplingParams
     # xgrammar.CompiledGrammar | LLGrammar, or a concurrent.futures.Future of one still compiling: the
-    # request then prefills beside the compile, all but the token that samples, whose chunk the
-    # scheduler holds until the compile ends (Sequence.held_for_grammar)
+    # request then prefills beside the compile and samples once it has ended (sampling/step.py;
+    # Sequence.held_for_grammar)
     grammar: Any | None = None
     # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
     grammar_trigger: int | None = None

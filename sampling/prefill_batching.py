@@ -47,7 +47,8 @@ def batched_prefill(sched: Scheduler, first: PrefillStep, budget: int) -> Prefil
 def _batchable(sched: Scheduler, seq: Sequence, alone: bool = False) -> bool:
     """Whether ``seq``'s chunk may share a forward: not when it forks into n > 1 after it (its
     children copy its K/V and logits row by row), nor before its first sample when its grammar came
-    compiling (a compile that failed fails the step it samples in, which must then hold it alone);
+    compiling (a compile that failed fails the step it samples in, and one still running defers its
+    sample: either must concern it alone);
     ``alone``: with decodes, not other chunks."""
     compiled_apart = isinstance(seq.grammar, Future)
     return (alone or sched.max_prefill_seqs > 1) and (seq.num_siblings == 1 or seq.has_forked) and not compiled_apart

@@ -226,8 +226,6 @@ class Scheduler:
         """Where the prefill chunk starting at ``start`` ends: ``budget`` tokens later at most, and
         with ``atomic_image_spans`` never inside an image span (sampling/image_spans.py)."""
         end = min(seq.num_tokens, start + budget)
-        if seq.grammar_compiling:  # the token that samples waits for the grammar, in a chunk of its own
-            end = min(end, seq.num_tokens - 1)
         image = self.atomic_image_token
         return end if image is None else chunk_end(seq.prompt_ids, image, start, end)
 

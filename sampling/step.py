@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 # With nothing to run but sequences held for their grammars' compiles, the loop waits this long at
 # most for one to end before it looks at its commands again (a new request waits no longer)
 _GRAMMAR_WAIT_S = 0.002
+# A step that samples a sequence whose grammar still compiles waits this long past its forward at
+# most: a compile ending then saves the second forward of the sequence's last prompt token
+_COMPILE_GRACE_S = 0.001
 
 
 class StepParts:
@@ -135,26 +138,36 @@ class StepParts:
             ]
             if not seqs:
                 self.timed(timing, forward)
-                self._computed(chunks)
+                self._computed(chunks, [])
                 return [], None, []
         defer_greedy = isinstance(step, DecodeStep) and self.defers_greedy()
-        guided = any(s.grammar is not None for s in seqs)
-        fill = self._filler.submit(self.fill, seqs, defer_greedy, timing) if guided else None
+        forward_done: Future[None] = Future()
+        fill: Future[tuple[list[Sequence], list[int]]] | None = None
+        if any(s.grammar_compiling for s in seqs):
+            fill = self._filler.submit(self._fill_when_compiled, seqs, forward_done, timing)
+        elif any(s.grammar is not None for s in seqs):
+            fill = self._filler.submit(lambda: (seqs, self.fill(seqs, defer_greedy, timing)))
         try:
             logits = self.timed(timing, forward)
         except BaseException:
             if fill is not None:
+                forward_done.set_result(None)
                 futures.wait([fill])  # the fill thread must be done with these matchers before they are failed
             raise
+        forward_done.set_result(None)
         waited = time.perf_counter()
-        filled = fill.result() if fill is not None else []
+        sampled, filled = fill.result() if fill is not None else (seqs, [])
         timing.wait = time.perf_counter() - waited
+        deferred = [s for s in seqs if all(s is not t for t in sampled)]
+        if deferred:  # their grammars still compile: each samples in a step of its own later
+            logits = logits[[i for i, s in enumerate(seqs) if all(s is not d for d in deferred)]]
+            seqs = sampled
         if chunks:
-            self._computed(chunks)
+            self._computed(chunks, deferred)
             for s in step.decodes if isinstance(step, PrefillBatch) else []:
                 s.num_computed = s.num_tokens
             # n > 1 forks only from a chunk of its own (the scheduler never batches it)
-            if isinstance(step, PrefillStep) and step.seq.num_siblings > 1 and not step.seq.has_forked:
+            if isinstance(step, PrefillStep) and step.seq.num_siblings > 1 and not step.seq.has_forked and seqs:
                 seqs = self._fork(step.seq)
                 filled = list(range(len(seqs))) if filled else []
                 logits = logits.expand(len(seqs), -1).contiguous()
@@ -164,10 +177,38 @@ class StepParts:
         timing.batch = len(seqs)
         return seqs, logits, filled
 
-    def _computed(self, chunks: list[PrefillStep]) -> None:
+    def _computed(self, chunks: list[PrefillStep], deferred: list[Sequence]) -> None:
+        """The chunks' K/V is in the cache, but for the last token of a ``deferred`` sequence: it runs
+        again, in the chunk that samples once the grammar has compiled (so no block is registered
+        for prefix hits with a token computed twice)."""
         for chunk in chunks:
-            chunk.seq.num_computed = chunk.end
+            deferred_here = any(chunk.seq is d for d in deferred)
+            chunk.seq.num_computed = chunk.end - 1 if deferred_here else chunk.end
             self.scheduler.cache_computed(chunk.seq)
+
+    def _fill_when_compiled(
+        self, seqs: list[Sequence], forward_done: Future[None], timing: StepTiming
+    ) -> tuple[list[Sequence], list[int]]:
+        """On the fill thread, for a step that samples a sequence whose grammar is still compiling:
+        wait for its compile while the forward runs, and ``_COMPILE_GRACE_S`` after it at most; the
+        sequences that sample now (those whose grammars are ready) and their filled rows. One whose
+        compile goes on samples later: the scheduler holds its last token's chunk until the compile
+        ends, so no step waits for a compile of seconds, and one of milliseconds (llguidance's,
+        beside a forward of as many) costs no second forward."""
+        ready = [s for s in seqs if self._compiled_by(s, forward_done)]
+        return ready, self.fill(ready, False, timing)
+
+    @staticmethod
+    def _compiled_by(seq: Sequence, forward_done: Future[None]) -> bool:
+        """Whether ``seq``'s grammar (a failed compile too) is ready by the end of the forward, or
+        ``_COMPILE_GRACE_S`` after it."""
+        compile_ = seq.grammar
+        if not isinstance(compile_, Future):
+            return True
+        futures.wait([compile_, forward_done], return_when=futures.FIRST_COMPLETED)
+        if not compile_.done():
+            futures.wait([compile_], timeout=_COMPILE_GRACE_S)
+        return compile_.done()
 
     def decode(
         self,
@@ -220,8 +261,8 @@ class StepParts:
 
     def ensure_matcher(self, seq: Sequence) -> None:
         """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
-        (after a preemption); none before its trigger token. The scheduler gives no sequence the chunk
-        that samples while its grammar compiles, so the compile has ended here (sampling/guided.py,
+        (after a preemption); none before its trigger token. A sequence whose grammar still compiles
+        samples no step (``_fill_when_compiled``), so the compile has ended here (sampling/guided.py,
         resolve_grammar, which would wait for it otherwise).
 
         :raises GrammarUnavailable: its grammar did not compile."""

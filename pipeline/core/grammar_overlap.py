@@ -1,11 +1,12 @@
 """When a request goes to the engine before its grammar compile ends, and what the engine then waits on.
 
 A text-only or cached-image request's preparation ends in about a millisecond and hides nothing of a
-new schema's compile: such a request goes to the engine at once, its prefill runs beside the compile
-but for the token that samples, whose chunk the scheduler holds until the grammar is compiled (no
-step ever waits for a compile: sampling/scheduler.py), while its handle
-waits for the compile's verdict before any token leaves (a refused spec is still the 400 naming its
-field). An engine in this process waits on a ``Future`` of the grammar (``settle`` fills it); one in
+new schema's compile: such a request goes to the engine at once and its prefill runs beside the
+compile. Its first token is sampled after that forward when the compile has ended by then (a
+millisecond at most past it: llguidance's compile of a schema takes about as long as the forward);
+otherwise its last prompt token runs again, held by the scheduler until the compile ends, so no step
+waits for a compile (sampling/step.py). Its handle waits for the compile's verdict before any token
+leaves (a refused spec is still the 400 naming its field). An engine in this process waits on a ``Future`` of the grammar (``settle`` fills it); one in
 its own process on its own compile of the spec.
 """
 
@@ -22,7 +23,7 @@ from stages.grammar_types import CompiledConstraint
 __all__ = ["overlaps", "settle"]
 
 # Kinds llguidance compiles in milliseconds wherever the backend choice lets it (it stands in for
-# xgrammar in auto): the chunk that samples the request waits for the compile (the scheduler holds it).
+# xgrammar in auto): the request samples once the compile has ended.
 # Grammars and structural tags may wait for xgrammar's compile (seconds): they keep the path where the
 # request is sent after its verdict.
 _OVERLAP_KINDS = LLGUIDANCE_KINDS - PARSED_KINDS

@@ -18,16 +18,20 @@ from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import SCHEMA, add, prompt, run_all
 
 
-def _landing_with_the_prefill(engine: Any, monkeypatch: pytest.MonkeyPatch, land: Any) -> None:
-    """Call ``land()`` once the engine's first prefill forward has run (the compile ends meanwhile)."""
+def _landing_with_the_prefill(engine: Any, monkeypatch: pytest.MonkeyPatch, land: Any) -> list[int]:
+    """Call ``land()`` once the engine's first prefill forward has run, before the step learns it has
+    (the compile ends during the forward); the lengths of the prefill forwards run, filled as they run."""
     real = engine.runner.prefill
+    lengths: list[int] = []
 
-    def prefill(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
+    def prefill(token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(token_ids, *args, **kwargs)
+        lengths.append(len(token_ids))
         land()
         return out
 
     monkeypatch.setattr(engine.runner, "prefill", prefill)
+    return lengths
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -43,12 +47,13 @@ def test_a_grammar_that_lands_during_the_prefill_constrains_the_first_token_on(
     expected = run_all(_with(new_engine, "known", ids, grammar_compilers[1].compile(spec).grammar, n))
     engine = new_engine()
     pending: Future[Any] = Future()
-    _landing_with_the_prefill(
+    forwards = _landing_with_the_prefill(
         engine, monkeypatch, lambda: pending.done() or pending.set_result(grammar_compilers[1].compile(spec).grammar)
     )
     add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0, n=n)
     outputs = run_all(engine)
     assert pending.done()
+    assert forwards == [len(ids)]  # one prefill forward, whole: the first token sampled after it
     assert [o.token_ids for o in outputs.values()] == [o.token_ids for o in expected.values()]
     assert all(o.finish_reason == "stop" and o.error is None for o in outputs.values()) and len(outputs) == n
 
@@ -92,7 +97,7 @@ def test_an_llguidance_grammar_gives_its_validating_matcher_to_its_first_sequenc
 
 
 def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
-    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any]
+    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A compile of seconds (xgrammar's, where llguidance refused the spec) must not stall the step
     loop: the other request decodes to its end while the pending one waits, prefilled but for its
@@ -102,6 +107,8 @@ def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
     ids = prompt(hf_tokenizer, "pending")
     engine = new_engine()
     expected = run_all(_with(new_engine, "pending", ids, grammar, 1))[("pending", 0)]
+    forwards = _landing_with_the_prefill(engine, monkeypatch, lambda: None)
+    other_ids = prompt(hf_tokenizer, "other")
     pending: Future[Any] = Future()
     # a safety net only: were a step to wait for the compile, it would wait this long, then the
     # assertions below fail (instead of the test hanging)
@@ -109,7 +116,7 @@ def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
     guard.start()
     try:
         add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0)
-        add(engine, "other", prompt(hf_tokenizer, "other"), max_tokens=6, temperature=0.0, ignore_eos=True)
+        add(engine, "other", other_ids, max_tokens=6, temperature=0.0, ignore_eos=True)
         other: list[int] = []
         for _ in range(50):
             for out in engine.step():
@@ -127,6 +134,8 @@ def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
     outputs = run_all(engine)
     assert outputs[("pending", 0)].token_ids == expected.token_ids
     assert outputs[("pending", 0)].finish_reason == expected.finish_reason == "stop"
+    # its whole prompt, unsampled; the other's; its last token again, once the compile had ended
+    assert forwards == [len(ids), len(other_ids), 1]
 
 
 @pytest.mark.parametrize("batching", [{"max_prefill_seqs": 4}, {"mixed_chunk_tokens": 64}])
