@@ -1,7 +1,8 @@
 """The parts of one engine step, the surface both decode loops drive: schedule, launch, fill, sample, commit, record.
 
 ``run()`` is a whole step of the synchronous loop: ``launch()`` runs the forward (on CUDA: queues its
-kernels) while the fill thread fills the step's grammar bitmask (``fill()``); ``sample()`` applies the
+kernels) while the fill thread fills the step's grammar bitmask (``fill()``; the matchers, the fill
+thread and a compile still running: sampling/step_grammar.py); ``sample()`` applies the
 mask to the guided rows and samples (sampling/masked_sampler.py); the ids come back to the host
 (``start_copy()``); ``commit()`` accepts them into the matchers in one batched call and advances the
 sequences (sampling/request_table.py); ``record()`` keeps the step's timing. The one-step-ahead loop
@@ -24,21 +25,22 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from sampling.guided import GrammarUnavailable, new_matcher, refusal, resolve_grammar
+from sampling.guided import GrammarUnavailable, refusal
 from sampling.inputs import SeqOutput
 from sampling.logits_process import StepLogprobs, TokenLogprob
-from sampling.masked_sampler import MaskedSampler, is_lazy
+from sampling.masked_sampler import MaskedSampler
 from sampling.model_runner import ModelRunner
 from sampling.overlap import HostCopier
 from sampling.prefill_chunks import prefill_forward
 from sampling.request_table import RequestTable
 from sampling.scheduler import DecodeStep, PrefillBatch, PrefillStep, Scheduler
 from sampling.sequence import SeqState, Sequence
+from sampling.step_grammar import StepGrammar
 from sampling.timeline import StepTiming
 
 __all__ = ["StepParts"]
@@ -48,9 +50,6 @@ logger = logging.getLogger(__name__)
 # With nothing to run but sequences held for their grammars' compiles, the loop waits this long at
 # most for one to end before it looks at its commands again (a new request waits no longer)
 _GRAMMAR_WAIT_S = 0.002
-# A step that samples a sequence whose grammar still compiles waits this long past its forward at
-# most: a compile ending then saves the second forward of the sequence's last prompt token
-_COMPILE_GRACE_S = 0.001
 
 
 class StepParts:
@@ -72,8 +71,8 @@ class StepParts:
         self.requests = requests
         self.sampler = sampler
         self.guided = sampler.guided
+        self.grammar = StepGrammar(sampler.guided)
         self.copier = HostCopier(runner.device, max_rows)
-        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
         self.record_timeline = record_timeline
         self.timeline: list[StepTiming] = []
         self.tracer = tracer  # anything with pipeline.observability.trace.Tracer's span(): one span per step
@@ -142,11 +141,7 @@ class StepParts:
                 return [], None, []
         defer_greedy = isinstance(step, DecodeStep) and self.defers_greedy()
         forward_done: Future[None] = Future()
-        fill: Future[tuple[list[Sequence], list[int]]] | None = None
-        if any(s.grammar_compiling for s in seqs):
-            fill = self._filler.submit(self._fill_when_compiled, seqs, forward_done, timing)
-        elif any(s.grammar is not None for s in seqs):
-            fill = self._filler.submit(lambda: (seqs, self.fill(seqs, defer_greedy, timing)))
+        fill = self.grammar.start_fill(seqs, defer_greedy, timing, forward_done)
         try:
             logits = self.timed(timing, forward)
         except BaseException:
@@ -186,30 +181,6 @@ class StepParts:
             chunk.seq.num_computed = chunk.end - 1 if deferred_here else chunk.end
             self.scheduler.cache_computed(chunk.seq)
 
-    def _fill_when_compiled(
-        self, seqs: list[Sequence], forward_done: Future[None], timing: StepTiming
-    ) -> tuple[list[Sequence], list[int]]:
-        """On the fill thread, for a step that samples a sequence whose grammar is still compiling:
-        wait for its compile while the forward runs, and ``_COMPILE_GRACE_S`` after it at most; the
-        sequences that sample now (those whose grammars are ready) and their filled rows. One whose
-        compile goes on samples later: the scheduler holds its last token's chunk until the compile
-        ends, so no step waits for a compile of seconds, and one of milliseconds (llguidance's,
-        beside a forward of as many) costs no second forward."""
-        ready = [s for s in seqs if self._compiled_by(s, forward_done)]
-        return ready, self.fill(ready, False, timing)
-
-    @staticmethod
-    def _compiled_by(seq: Sequence, forward_done: Future[None]) -> bool:
-        """Whether ``seq``'s grammar (a failed compile too) is ready by the end of the forward, or
-        ``_COMPILE_GRACE_S`` after it."""
-        compile_ = seq.grammar
-        if not isinstance(compile_, Future):
-            return True
-        futures.wait([compile_, forward_done], return_when=futures.FIRST_COMPLETED)
-        if not compile_.done():
-            futures.wait([compile_], timeout=_COMPILE_GRACE_S)
-        return compile_.done()
-
     def decode(
         self,
         ids: list[int] | torch.Tensor,
@@ -243,33 +214,13 @@ class StepParts:
         timing.forward = time.perf_counter() - started
         return out
 
+    def fill(self, seqs: list[Sequence], defer_greedy: bool, timing: StepTiming) -> list[int]:
+        """Build missing matchers and fill the step's bitmask rows (StepGrammar.fill): the rows filled."""
+        return self.grammar.fill(seqs, defer_greedy, timing)
+
     def defers_greedy(self) -> bool:
         """Whether a decode's fill leaves its greedy rows to ``sample`` (MaskedSampler.defers_greedy)."""
         return self.sampler.defers_greedy(self.runner.device)
-
-    def fill(self, seqs: list[Sequence], defer_greedy: bool, timing: StepTiming) -> list[int]:
-        """On the fill thread: build missing matchers and fill the step's bitmask rows (but those of
-        greedy rows when ``defer_greedy``); the rows filled."""
-        started = time.perf_counter()
-        for s in seqs:
-            self.ensure_matcher(s)
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not (defer_greedy and is_lazy(s))]
-        if rows:
-            self.guided.fill([seqs[i].matcher for i in rows], rows)
-        timing.fill = time.perf_counter() - started
-        return rows
-
-    def ensure_matcher(self, seq: Sequence) -> None:
-        """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
-        (after a preemption); none before its trigger token. A sequence whose grammar still compiles
-        samples no step (``_fill_when_compiled``), so the compile has ended here (sampling/guided.py,
-        resolve_grammar, which would wait for it otherwise).
-
-        :raises GrammarUnavailable: its grammar did not compile."""
-        start = seq.grammar_start
-        if seq.grammar is not None and seq.matcher is None and start is not None and seq.state is not SeqState.FINISHED:
-            seq.grammar = resolve_grammar(seq.grammar)
-            seq.matcher = new_matcher(seq.grammar, seq.output_ids[start:])
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the parent and its siblings, each sharing its prefilled K/V (copying the partial last
@@ -279,7 +230,7 @@ class StepParts:
             src, dst = self.scheduler.fork(parent, child)
             if src:
                 self.runner.copy_blocks(src, dst)
-            self.ensure_matcher(child)
+            self.grammar.ensure_matcher(child)
             if child.matcher is not None:  # a fresh matcher's mask equals the parent's (row 0)
                 self.guided.copy_row(0, child.index)
         self.requests.adopt(parent, children)

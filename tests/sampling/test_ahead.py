@@ -19,7 +19,7 @@ from sampling.engine import LLMEngine
 from sampling.guided import GuidedDecoder
 from sampling.inputs import SeqOutput
 from sampling.sequence import SeqState, Sequence
-from sampling.step import StepParts
+from sampling.step_grammar import StepGrammar
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import SCHEMA, SEEDED, add, prompt, run_all
 
@@ -103,7 +103,7 @@ def test_a_token_after_the_end_is_never_accepted_by_a_matcher(
     accepts exactly the streamed tokens, the discarded one never."""
     accepted: dict[int, list[int]] = {}
     owners: dict[int, Sequence] = {}
-    real_accept, real_ensure = GuidedDecoder.accept, StepParts.ensure_matcher
+    real_accept, real_ensure = GuidedDecoder.accept, StepGrammar.ensure_matcher
 
     def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
         ok = real_accept(matchers, tokens)
@@ -112,14 +112,14 @@ def test_a_token_after_the_end_is_never_accepted_by_a_matcher(
                 accepted.setdefault(id(matcher), []).append(token)
         return ok
 
-    def ensure(self: StepParts, seq: Sequence) -> None:
+    def ensure(self: StepGrammar, seq: Sequence) -> None:
         real_ensure(self, seq)
         if seq.matcher is not None:
             owners[id(seq.matcher)] = seq  # the sequence keeps its matcher alive while it runs
 
     monkeypatch.setattr(GuidedDecoder, "accept", staticmethod(accept))
     monkeypatch.setattr(GuidedDecoder, "try_accept", staticmethod(accept))
-    monkeypatch.setattr(StepParts, "ensure_matcher", ensure)
+    monkeypatch.setattr(StepGrammar, "ensure_matcher", ensure)
     engine = new_engine(one_step_ahead=True)
     for i in range(4):
         add(engine, f"g{i}", prompt(hf_tokenizer, f"end {i}"), json_grammar, max_tokens=64, temperature=0)
