@@ -101,7 +101,7 @@ class GrammarStage(BackendChoice):
 
     async def compile(self, spec: GrammarSpec, *, request_id: str | None = None) -> CompiledConstraint:
         """The compiled constraint of ``spec``; the caller waits for no xgrammar compile that llguidance
-        can stand in for (it goes on in the background).
+        can stand in for (a hit of a stand-in starts one in the background).
 
         :raises GrammarError: (400) the spec is refused or cannot be compiled by either backend.
         :raises DeadlineExceeded: (504) no backend compiled it within the configured deadline.

@@ -1,17 +1,22 @@
 """Which backend serves a spec: the forced one, the dispatch table's, or llguidance standing in for xgrammar.
 
-- The backend comes from the spec's features (``stages.grammar_dispatch``). A spec meant for
-  xgrammar is served by llguidance instead (a stand-in) until xgrammar's compile has landed (or
-  when both xgrammar compile slots are taken): llguidance compiles in milliseconds, so cheap specs
-  and refusals answer at once while a big schema compiles, and no request waits for an xgrammar
-  compile llguidance can stand in for (measured with ``bench compile``: waiting for xgrammar even
-  behind a distinct image's preparation cost more than llguidance's masks). The xgrammar compile
-  goes on in the background (a thread cannot be interrupted), holding its slot, and its result
-  replaces the stand-in in the cache; a stand-in served while the slots were busy is replaced the
-  same way by the first cache hit that finds a slot free.
+- The backend comes from the spec's features (``stages.grammar_dispatch``). A JSON schema, JSON
+  object, regex or choice meant for xgrammar is served by llguidance instead (a stand-in) at its
+  first use, and no xgrammar compile starts then: llguidance compiles in milliseconds, so no request
+  waits for an xgrammar compile llguidance can stand in for (measured with ``bench compile``:
+  waiting for xgrammar even behind a distinct image's preparation cost more than llguidance's
+  masks), and a spec used once never pays xgrammar's compile. Its second use, a cache hit of the
+  stand-in, starts xgrammar's compile in the background at the lowest priority (a thread cannot be
+  interrupted), holding its slot; its result replaces the stand-in in the cache for the uses after.
+  A stand-in served while both xgrammar compile slots were taken is replaced the same way, by the
+  first cache hit that finds a slot free. What llguidance refuses to compile (keywords it will not
+  enforce), xgrammar compiles at once and serves.
 - An EBNF or Lark grammar or a structural tag is parsed first, without a compile slot: a malformed
-  one is a 400 at once, never a wait behind busy slots; what llguidance cannot compile of these
+  one is a 400 at once, never a wait behind busy slots; its xgrammar compile starts at admission,
+  llguidance standing in until it lands where it can, and what llguidance cannot compile of these
   (xgrammar's look-ahead, structural-tag formats Lark cannot say) waits for xgrammar.
+- Tool-call grammars always wait for xgrammar; without a task group (no background to compile in)
+  xgrammar's compile is waited for too.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from stages.grammar_backends import XGrammarCompiler
 from stages.grammar_compile import BACKGROUND_NICE, parse_in_thread
 from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
 from stages.grammar_jobs import GrammarJobs
-from stages.grammar_types import OUTLASTS, SLOTS_BUSY, CompiledConstraint
+from stages.grammar_types import FIRST_USE, OUTLASTS, SLOTS_BUSY, CompiledConstraint
 
 __all__ = ["BackendChoice"]
 
@@ -67,11 +72,16 @@ class BackendChoice(GrammarJobs):
             return await self._await("xgrammar", dispatch.reason, spec)
         if ("xgrammar", spec.key) not in self._flights and self._is_busy():
             return await self._stand_in(spec, SLOTS_BUSY, None, is_dialect)
-        # a compile nobody waits for (llguidance stands in at once) yields the CPU to the request's
-        # own work: the lowest priority (its native threads run without the GIL); a dialect's may
-        # be waited for (what llguidance cannot compile of it), and so is one without a task group
-        nice = 0 if is_dialect or self._tg is None else BACKGROUND_NICE
-        flight = await self._await("xgrammar", dispatch.reason, spec, wait=False, nice=nice)
+        if not is_dialect and self._tg is not None:
+            # A spec's first use starts no xgrammar compile: llguidance serves it, and its second use
+            # (a hit of this stand-in) starts xgrammar's, at the lowest priority, for the third use
+            # on. A one-off schema (many are) never pays xgrammar's compile, and the first request's
+            # template step and forward do not share 2 cores with a compile it does not use.
+            # Without a task group no hit could start that compile: xgrammar's is waited for below.
+            return await self._stand_in(spec, FIRST_USE, None, is_dialect)
+        # a dialect's compile may be waited for (what llguidance cannot compile of it), and so is one
+        # without a task group: at normal priority
+        flight = await self._await("xgrammar", dispatch.reason, spec, wait=False)
         if flight.is_done and flight.error is None:
             return flight
         reason = "xgrammar could not compile it" if flight.is_done else OUTLASTS
@@ -114,5 +124,7 @@ class BackendChoice(GrammarJobs):
 
     def _replace_stand_in(self, spec: GrammarSpec) -> None:
         """Start xgrammar's compile of a spec llguidance stands in for, when a slot is free and none runs."""
+        # nobody waits for it (the stand-in serves meanwhile): it yields the CPU to the requests' own
+        # work at the lowest priority (its native threads run without the GIL)
         if self._tg is not None and ("xgrammar", spec.key) not in self._flights and not self._is_busy():
             self._flight("xgrammar", "replaces the llguidance stand-in", spec, BACKGROUND_NICE)

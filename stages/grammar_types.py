@@ -13,6 +13,8 @@ from stages.answer_check import AnswerCheck
 from stages.grammar_cache import GrammarCache
 
 __all__ = [
+    "FIRST_USE",
+    "OUTLASTS",
     "SLOTS_BUSY",
     "STAND_IN_REASONS",
     "CompiledConstraint",
@@ -26,7 +28,8 @@ __all__ = [
 # why llguidance served a spec meant for xgrammar: its grammar is replaced once xgrammar compiled it
 SLOTS_BUSY = "xgrammar compile slots busy"
 OUTLASTS = "xgrammar compile outlasts preparation"  # (the name metrics have known it by)
-STAND_IN_REASONS = frozenset({SLOTS_BUSY, OUTLASTS})
+FIRST_USE = "first use of the spec"  # xgrammar compiles at the spec's second use
+STAND_IN_REASONS = frozenset({SLOTS_BUSY, OUTLASTS, FIRST_USE})
 
 
 @dataclass

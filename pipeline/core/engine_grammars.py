@@ -80,7 +80,17 @@ class EngineGrammars:
             tg.cancel_scope.cancel()
 
     def _compile(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
-        return self._portal.start_task_soon(self.stage.compile, spec)
+        return self._portal.start_task_soon(self._for_add, spec)
+
+    async def _for_add(self, spec: GrammarSpec) -> CompiledConstraint:
+        """The constraint of an add's spec. Its verdict was the request's use of it: a stand-in found
+        cached here is not another use (a hit of one starts xgrammar's compile, which the stage leaves
+        to a spec's second request), so an add racing its verdict's compile starts none."""
+        entry = self.stage.lookup(spec)
+        if isinstance(entry, CompiledConstraint):
+            self.stage.mark_used(spec)
+            return entry
+        return await self.stage.compile(spec)
 
     @property
     def owes(self) -> bool:
@@ -94,7 +104,8 @@ class EngineGrammars:
 
     def verdict(self, token: int, spec: GrammarSpec) -> None:
         """Compile ``spec`` (or find it cached) and send its verdict; a stand-in's is followed by an
-        unasked verdict (token 0) once xgrammar's compile has replaced it."""
+        unasked verdict (token 0) once xgrammar's compile, if one runs (from the spec's second
+        verdict on), has replaced it."""
         self._owed.add(token)
         self._portal.start_task_soon(self._answer, token, spec)
 

@@ -133,8 +133,8 @@ class Preparation:
         assert self._tg is not None, "start() first"
         self.stages[0].offer(job)
         if job.payload.request.grammar is not None:
-            # llguidance serves a new spec's first requests while xgrammar compiles in the background
-            # (at the lowest priority) for later ones, whatever the preparation: measured with
+            # llguidance serves a new spec's first requests (xgrammar compiles in the background, at
+            # the lowest priority, from its second use on), whatever the preparation: measured with
             # ``bench compile``, waiting for xgrammar behind a distinct image's preparation cost more
             # (its compile competes with decode and encode for 2 cores) than llguidance's masks
             if not isinstance(self.grammar, RemoteGrammarStage):  # the engine in this process waits on it

@@ -8,7 +8,8 @@ here, and the answer check (``stages.grammar_checks.CheckBuilder``) is built. ``
 a precheck's refusal at once, else once the engine's verdict is in: a spec the engine refused is the
 same typed 400, naming its field, as in thread mode, before any decode work. Verdicts and checks are
 cached here by spec (bounded like the engine's cache); the engine says unasked when xgrammar's grammar
-has replaced a stand-in (until then a hit of one asks).
+has replaced a stand-in (until then each hit of one asks: the first such ask, the spec's second use,
+starts xgrammar's compile there).
 
 It answers the calls the pipeline makes of a ``GrammarStage`` (``compile``, ``wait_idle``, counters,
 limiters); ``stats.backends`` and the compile counters are the engine's, as of its last verdict.

@@ -12,12 +12,13 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from pipeline.errors import DeadlineExceeded, GrammarError, InvalidRequest
+from pipeline.errors import DeadlineExceeded, GrammarError, InvalidRequest, UnsupportedSchemaError
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.prometheus import MetricsExporter
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint, GrammarStage
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler, clean_message
+from stages.grammar_types import FIRST_USE
 from tests.conftest import CorpusEntry
 from tests.grammars import GatedCompiler, accepts
 
@@ -179,8 +180,8 @@ async def test_the_cache_exports_its_bound_and_evictions(grammar_compilers: tupl
 
 async def test_concurrent_identical_compiles_share_one_job(grammar_compilers: tuple[Any, Any]) -> None:
     gate = threading.Event()
-    xgrammar = GatedCompiler(grammar_compilers[0], gate)
-    stage = make_stage((xgrammar, grammar_compilers[1]))
+    xgrammar, llguidance = GatedCompiler(grammar_compilers[0]), GatedCompiler(grammar_compilers[1], gate)
+    stage = make_stage((xgrammar, llguidance))
     spec = GrammarSpec("regex", "[a-c]+", field="regex")
     results: list[CompiledConstraint] = []
     with anyio.fail_after(20):
@@ -198,14 +199,15 @@ async def test_concurrent_identical_compiles_share_one_job(grammar_compilers: tu
             await anyio.wait_all_tasks_blocked()
             first_caller.cancel()  # the first requester goes away; the shared job must go on
             gate.set()
-    assert xgrammar.calls[spec.key] == 1
+    assert llguidance.calls[spec.key] == 1 and xgrammar.calls[spec.key] == 0  # the spec's first use
     assert len(results) == 5 and all(r is results[0] for r in results)
-    assert stage.limiter.borrowed_tokens == 0 and stage.num_compiling == 0
+    assert stage.fast_limiter.borrowed_tokens == 0 and stage.num_compiling == 0
 
 
-async def test_slow_xgrammar_compile_is_served_by_llguidance_and_replaced_when_done(
-    grammar_compilers: tuple[Any, Any],
+async def test_a_one_off_spec_is_served_by_llguidance_and_leaves_no_compile_running(
+    grammar_compilers: tuple[Any, Any], hf_tokenizer: Any
 ) -> None:
+    """A spec's first use starts no xgrammar compile: a spec sent once never pays for one."""
     gate = threading.Event()
     xgrammar = GatedCompiler(grammar_compilers[0], gate)
     stage = make_stage((xgrammar, grammar_compilers[1]))
@@ -214,13 +216,14 @@ async def test_slow_xgrammar_compile_is_served_by_llguidance_and_replaced_when_d
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
             served = await stage.compile(spec)
-            assert served.backend == "llguidance" and served.reason == "xgrammar compile outlasts preparation"
-            assert stage.limiter.borrowed_tokens == 1  # the xgrammar thread still runs, holding its slot
+            assert (served.backend, served.reason, served.is_stand_in) == ("llguidance", FIRST_USE, True)
+            await anyio.wait_all_tasks_blocked()
+            assert stage.num_compiling == 0 and stage.limiter.borrowed_tokens == 0
+            assert stage.fast_limiter.borrowed_tokens == 0
+            assert stage.lookup(spec) is served  # cached as a stand-in: a second use starts xgrammar
             gate.set()
-            await stage.wait_idle()
-    assert stage.limiter.borrowed_tokens == 0
-    later = await stage.compile(spec)
-    assert later.backend == "xgrammar" and accepts(later.grammar, "xyz")  # the late result replaced it
+    assert xgrammar.calls[spec.key] == 0 and accepts(served.grammar, "xyz", hf_tokenizer)
+    assert stage.stats.backends == Counter({f"llguidance: {FIRST_USE}": 1})
 
 
 async def test_busy_xgrammar_slots_do_not_starve_cheap_specs(grammar_compilers: tuple[Any, Any]) -> None:
@@ -234,10 +237,7 @@ async def test_busy_xgrammar_slots_do_not_starve_cheap_specs(grammar_compilers: 
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
-            for spec in slow:
-                tg.start_soon(stage.compile, spec)
-            await anyio.wait_all_tasks_blocked()
-            assert stage.limiter.borrowed_tokens == 2
+            await hold_both_slots(stage, slow)
             cheap = await stage.compile(GrammarSpec("json_schema", SCHEMA))
             assert cheap.backend == "llguidance" and cheap.reason == "xgrammar compile slots busy"
             empty = {"type": "array", "minItems": 3, "maxItems": 1}
@@ -289,6 +289,16 @@ TAG = {
 }
 
 
+async def hold_both_slots(stage: GrammarStage, specs: list[GrammarSpec]) -> None:
+    """Use each of two specs twice: each second use starts an xgrammar compile, which holds a slot
+    while the stage's xgrammar compiler waits for its gate."""
+    for spec in specs:
+        for _ in range(2):
+            assert (await stage.compile(spec)).backend == "llguidance"
+    await anyio.wait_all_tasks_blocked()
+    assert stage.limiter.borrowed_tokens == 2
+
+
 @asynccontextmanager
 async def xgrammar_busy(
     grammar_compilers: tuple[Any, Any], timeout_s: float
@@ -300,11 +310,9 @@ async def xgrammar_busy(
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
-            for i in (1, 2):
-                spec = GrammarSpec("json_schema", {"type": "object", "properties": {f"q{i}": {}}})
-                tg.start_soon(stage.compile, spec)
-            await anyio.wait_all_tasks_blocked()
-            assert stage.limiter.borrowed_tokens == 2
+            await hold_both_slots(
+                stage, [GrammarSpec("json_schema", {"type": "object", "properties": {f"q{i}": {}}}) for i in (1, 2)]
+            )
             try:
                 yield stage, tg, gate
             finally:
@@ -426,8 +434,7 @@ async def test_huge_schemas_do_not_hold_the_xgrammar_slots(stage: GrammarStage) 
     assert all(r.reason.startswith("large schema") for r in results)
 
 
-# -- llguidance stands in while xgrammar compiles in the background ---------------------------------
-OUTLASTS = "xgrammar compile outlasts preparation"
+# -- llguidance stands in at a spec's first use; its second starts xgrammar's compile -------------
 
 
 def gated_stage(
@@ -439,46 +446,74 @@ def gated_stage(
     return make_stage((xgrammar, llguidance)), xgrammar, llguidance, gate
 
 
-async def test_a_new_spec_gets_llguidance_and_later_requests_xgrammar(
+async def test_the_second_use_starts_xgrammar_and_the_third_gets_it(
     grammar_compilers: tuple[Any, Any], hf_tokenizer: Any
 ) -> None:
-    """No request waits for xgrammar's compile: llguidance serves at once, and xgrammar's compile goes
-    on (at the lowest priority) and serves the requests after it."""
+    """No request waits for xgrammar's compile: llguidance serves the first use and starts none; the
+    second use (a hit of the stand-in, still served by it) starts xgrammar's at the lowest priority;
+    the third gets xgrammar."""
     stage, xgrammar, llguidance, gate = gated_stage(grammar_compilers)
     spec = GrammarSpec("json_schema", SCHEMA)
-    served: list[CompiledConstraint] = []
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
-
-            async def request() -> None:
-                served.append(await stage.compile(spec))
-
-            tg.start_soon(request)
+            first = await stage.compile(spec)
+            assert (first.backend, first.reason, first.is_stand_in) == ("llguidance", FIRST_USE, True)
             await anyio.wait_all_tasks_blocked()
-            while not served:
-                await anyio.wait_all_tasks_blocked()
+            assert stage.num_compiling == 0 and stage.limiter.borrowed_tokens == 0 and xgrammar.calls[spec.key] == 0
+            second = await stage.compile(spec)
+            assert second is first  # llguidance still serves the second use...
             await anyio.wait_all_tasks_blocked()
-            assert (served[0].backend, served[0].reason, served[0].is_stand_in) == ("llguidance", OUTLASTS, True)
-            assert stage.lookup(spec) is served[0]
-            assert stage.limiter.borrowed_tokens == 1 and stage.num_compiling == 1  # xgrammar goes on
+            assert stage.num_compiling == 1 and stage.limiter.borrowed_tokens == 1  # ...while xgrammar compiles
+            assert await stage.compile(spec) is first  # until it lands, hits are served by the stand-in
+            assert stage.num_compiling == 1  # and start no other compile
             gate.set()
             await stage.wait_idle()
     assert stage.limiter.borrowed_tokens == 0 and stage.fast_limiter.borrowed_tokens == 0 and stage.num_compiling == 0
-    later = await stage.compile(spec)
-    assert later.backend == "xgrammar" and not later.is_stand_in  # its result replaced the stand-in
+    third = await stage.compile(spec)
+    assert (third.backend, third.reason, third.is_stand_in) == ("xgrammar", "replaces the llguidance stand-in", False)
     assert xgrammar.calls[spec.key] == 1 and llguidance.calls[spec.key] == 1
     # a compile nobody waits for runs at the lowest priority
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert xgrammar.nice[spec.key] == min(19, base + 19)
     assert llguidance.nice[spec.key] == base
-    for constraint in (served[0], later):  # both backends constrain, and the answer check holds
+    for constraint in (first, third):  # both backends constrain, and the answer check holds
         assert accepts(constraint.grammar, '{"a": 1}', hf_tokenizer) and constraint.check.check('{"a": 1}') is None
         assert not accepts(constraint.grammar, '{"a": "x"}', hf_tokenizer)
         assert constraint.check.check('{"a": "x"}') is not None
 
 
-async def test_a_cancelled_request_leaves_both_compiles_to_finish_into_the_cache(
+class RefusingCompiler(GatedCompiler):
+    """llguidance refusing a schema with the error it gives for keywords it will not approximate even
+    leniently (the stage then tries xgrammar). None of the schemas the dispatch table leaves to
+    xgrammar that were tried here is refused by this llguidance version: the refusal is made here."""
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        self.calls[spec.key] += 1
+        raise UnsupportedSchemaError("llguidance cannot approximate: dependencies", field=spec.field)
+
+
+async def test_a_spec_llguidance_refuses_gets_xgrammar_at_its_first_use(grammar_compilers: tuple[Any, Any]) -> None:
+    xgrammar, llguidance = GatedCompiler(grammar_compilers[0]), RefusingCompiler(grammar_compilers[1])
+    stage = make_stage((xgrammar, llguidance))
+    spec = GrammarSpec("json_schema", SCHEMA)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            stage.attach(tg)
+            served = await stage.compile(spec)
+            assert (served.backend, served.reason, served.is_stand_in) == (
+                "xgrammar",
+                "llguidance could not compile it",
+                False,
+            )
+            assert xgrammar.calls[spec.key] == 1 and llguidance.calls[spec.key] == 1
+            base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            assert xgrammar.nice[spec.key] == base  # waited for: at normal priority
+            assert await stage.compile(spec) is served and stage.num_compiling == 0  # a hit compiles nothing
+    assert xgrammar.calls[spec.key] == 1 and llguidance.calls[spec.key] == 1
+
+
+async def test_a_cancelled_request_leaves_its_compile_to_finish_into_the_cache(
     grammar_compilers: tuple[Any, Any],
 ) -> None:
     stage, xgrammar, _, x_gate = gated_stage(grammar_compilers)
@@ -499,11 +534,15 @@ async def test_a_cancelled_request_leaves_both_compiles_to_finish_into_the_cache
 
             tg.start_soon(request)
             await anyio.wait_all_tasks_blocked()
-            assert stage.limiter.borrowed_tokens == 1 and stage.fast_limiter.borrowed_tokens == 1
+            assert stage.limiter.borrowed_tokens == 0 and stage.fast_limiter.borrowed_tokens == 1
             scopes[0].cancel()
             await ended.wait()
-            assert scopes[0].cancelled_caught and stage.num_compiling == 2  # the jobs go on without it
+            assert scopes[0].cancelled_caught and stage.num_compiling == 1  # the job goes on without it
             l_gate.set()
+            await stage.wait_idle()
+            stand_in = stage.lookup(spec)
+            assert isinstance(stand_in, CompiledConstraint) and stand_in.is_stand_in
+            assert await stage.compile(spec) is stand_in  # the second use: xgrammar's compile starts
             x_gate.set()
             await stage.wait_idle()
     assert stage.limiter.borrowed_tokens == 0 and stage.fast_limiter.borrowed_tokens == 0 and stage.num_compiling == 0
@@ -512,18 +551,20 @@ async def test_a_cancelled_request_leaves_both_compiles_to_finish_into_the_cache
     assert isinstance(cached, CompiledConstraint) and cached.backend == "xgrammar"
 
 
-async def test_a_bad_spec_is_a_400_at_once_while_its_xgrammar_compile_runs(grammar_compilers: tuple[Any, Any]) -> None:
+async def test_a_bad_spec_is_a_400_at_once_and_starts_no_xgrammar_compile(grammar_compilers: tuple[Any, Any]) -> None:
     stage, xgrammar, _, gate = gated_stage(grammar_compilers)
     spec = GrammarSpec("regex", "(ab", field="regex")
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             stage.attach(tg)
-            with pytest.raises(GrammarError) as info:
-                await stage.compile(spec)
-            assert info.value.status == 400 and info.value.field == "regex"
-            assert stage.num_compiling == 1 and not gate.is_set()  # refused before xgrammar answered
+            for _ in range(2):  # the second: the cached refusal
+                with pytest.raises(GrammarError) as info:
+                    await stage.compile(spec)
+                assert info.value.status == 400 and info.value.field == "regex"
+                await anyio.wait_all_tasks_blocked()
+                assert stage.num_compiling == 0
             gate.set()
-    assert xgrammar.calls[spec.key] == 1 and stage.limiter.borrowed_tokens == 0 and stage.num_compiling == 0
+    assert xgrammar.calls[spec.key] == 0 and stage.limiter.borrowed_tokens == 0
 
 
 async def test_a_stand_in_xgrammar_cannot_compile_stays_and_no_hit_compiles_it_again(
@@ -536,6 +577,7 @@ async def test_a_stand_in_xgrammar_cannot_compile_stays_and_no_hit_compiles_it_a
             stage.attach(tg)
             served = await stage.compile(spec)
             assert served.backend == "llguidance" and served.is_stand_in
+            assert await stage.compile(spec) is served and stage.num_compiling == 1  # the second use
             gate.set()
             await stage.wait_idle()
             for _ in range(3):

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline import PipelineConfig
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
+from stages.grammar_types import FIRST_USE
 from tests.images import data_url, encode, image_request, make_image
 from tests.servers import serving
 
@@ -143,7 +144,7 @@ async def test_every_documented_family_is_exported_with_its_type(served: Served)
     tokens = body["usage"]["completion_tokens"]
     status, body, _ = await served.post(image_request([data_url(b"not an image")]))
     assert (status, body["error"]["code"]) == (400, "invalid_image")
-    await served.pipe.preparation.grammar.wait_idle()  # an xgrammar compile that outlasted preparation
+    await served.pipe.preparation.grammar.wait_idle()  # no compile left running to count later
     types, values = await scrape(served)
     for name, kind in TYPES.items():
         family = name.removesuffix("_total") if kind == "counter" else name
@@ -170,7 +171,10 @@ async def test_every_documented_family_is_exported_with_its_type(served: Served)
     assert value("pipeline_time_to_first_token_seconds_count") == 1
     assert value("pipeline_tokens_generated_total") == tokens
     assert value("pipeline_engine_kv_blocks") == NUM_KV_BLOCKS and value("pipeline_engine_running_sequences") == 0
-    assert value("pipeline_grammar_compiles_total", backend="xgrammar", reason="default") == 1
+    # the choice's first use: llguidance stands in, and no xgrammar compile starts
+    assert value("pipeline_grammar_compiles_total", backend="llguidance", reason=FIRST_USE) == 1
+    compiles = [labels for (name, labels) in values if name == "pipeline_grammar_compiles_total"]
+    assert not [labels for labels in compiles if ("backend", "xgrammar") in labels]
     # both images missed the encoder cache; only the one that decoded is kept
     assert (
         value("pipeline_cache_misses_total", cache="encoder") == 2

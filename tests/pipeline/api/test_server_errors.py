@@ -17,6 +17,7 @@ from pipeline import PipelineConfig
 from pipeline.api.openapi import openapi_document
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
+from stages.grammar_types import FIRST_USE
 from tests.images import data_url, encode, make_image
 from tests.released import assert_released
 from tests.servers import serving
@@ -179,7 +180,8 @@ async def test_metrics_through_prometheus_client(server: Server) -> None:
     assert value[("pipeline_engine_running_sequences", ())] == 0
     assert ("pipeline_engine_preemptions_total", ()) in value
     assert value[("pipeline_cache_misses_total", (("cache", "grammar"),))] >= 1
-    assert value[("pipeline_grammar_compiles_total", (("backend", "xgrammar"), ("reason", "default")))] >= 1
+    # a spec's first use: llguidance stands in (xgrammar compiles from its second use on)
+    assert value[("pipeline_grammar_compiles_total", (("backend", "llguidance"), ("reason", FIRST_USE)))] >= 1
     assert value[("pipeline_stage_completed_total", (("stage", "template"),))] >= 1
 
 

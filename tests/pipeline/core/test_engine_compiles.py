@@ -1,6 +1,7 @@
 """With the engine in its own process, a grammar is compiled once, there: the serving process sends the
 spec at admission and waits for the engine's verdict, so a refused spec is the same 400 as in thread
-mode before any decode work, and llguidance serves a new schema until xgrammar's compile lands."""
+mode before any decode work, and llguidance serves a new schema until the xgrammar compile its second
+use started lands."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pipeline.core.pipeline import Pipeline
 from pipeline.core.remote_grammar import RemoteGrammarStage
 from pipeline.errors import GrammarError, PipelineError, RequestCancelled
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar_types import FIRST_USE
 from tests.images import data_url, encode, image_request, make_image
 from tests.pipeline.core.test_grammar_stand_in import TEXT, guided, schema, served_by
 from tests.released import assert_released
@@ -62,21 +64,31 @@ def serving_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
 async def test_a_new_schema_compiles_once_in_the_engine_process(
     pipe: Pipeline, serving_compiles: Counter[str], preparation: str
 ) -> None:
-    """llguidance serves the first request, xgrammar (compiled in the background) a later one; each
-    backend compiled the spec once, in the engine process, none in the serving process."""
+    """llguidance serves the first two requests, xgrammar (compiled in the background from the second
+    on) the third; each backend compiled the spec once, in the engine process, none in the serving
+    process, and xgrammar only once the spec was used again."""
     grammar = pipe.preparation.grammar
     assert isinstance(grammar, RemoteGrammarStage)
-    first = TEXT if preparation == "text only" else image_request([data_url(encode(make_image(seed=31)))])
-    later = TEXT if preparation == "text only" else image_request([data_url(encode(make_image(seed=32)))])
+
+    def body(seed: int) -> dict[str, Any]:
+        return TEXT if preparation == "text only" else image_request([data_url(encode(make_image(seed=seed)))])
+
     new = schema(f"once_{preparation.replace(' ', '_')}")
     before = Counter(grammar.stats.backends)
+
+    def compiled() -> Counter[str]:
+        counts = Counter(grammar.stats.backends)
+        counts.subtract(before)
+        return +counts
+
     with anyio.fail_after(120):
-        assert await served_by(pipe, first, new) == "llguidance"
+        assert await served_by(pipe, body(31), new) == "llguidance"
         await grammar.wait_idle()
-        assert await served_by(pipe, later, new) == "xgrammar"
-    compiled = Counter(grammar.stats.backends)
-    compiled.subtract(before)
-    assert +compiled == Counter({"llguidance: xgrammar compile outlasts preparation": 1, "xgrammar: default": 1})
+        assert compiled() == Counter({f"llguidance: {FIRST_USE}": 1})  # a one-off schema: no xgrammar
+        assert await served_by(pipe, body(32), new) == "llguidance"  # its second use starts xgrammar's
+        await grammar.wait_idle()
+        assert await served_by(pipe, body(33), new) == "xgrammar"
+    assert compiled() == Counter({f"llguidance: {FIRST_USE}": 1, "xgrammar: replaces the llguidance stand-in": 1})
     assert not serving_compiles
     await assert_released(pipe)
 

@@ -1,5 +1,6 @@
-"""The engine process's grammars: a verdict per hint (the stage's backend policy and cache), refusals
-typed for the serving process's 400, and adds served from the same cache."""
+"""The engine process's grammars: a verdict per hint (the stage's backend policy and cache: a verdict on a
+cached stand-in, the spec's second use, starts xgrammar's compile), refusals typed for the serving
+process's 400, and adds served from the same cache."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pipeline.core.engine_grammars import EngineGrammars
 from pipeline.core.engine_wire import GrammarsIdle, GrammarVerdict
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import LLGrammar
+from stages.grammar_types import FIRST_USE
 from vision.checkpoint import Checkpoint
 
 SPEC = GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
@@ -32,27 +34,37 @@ def grammars(checkpoint: Checkpoint, sent: queue.Queue[Any]) -> Iterator[EngineG
     g.close()
 
 
-def test_llguidance_answers_first_then_xgrammar_replaces_it_in_the_cache(
+def test_llguidance_answers_the_first_use_and_the_second_starts_xgrammar_which_replaces_it(
     grammars: EngineGrammars, sent: queue.Queue[Any]
 ) -> None:
     grammars.verdict(1, SPEC)
     first = sent.get(timeout=120)
     assert isinstance(first, GrammarVerdict) and first.token == 1 and first.error is None
-    assert (first.backend, first.is_stand_in) == ("llguidance", True)
-    # the stand-in, unless xgrammar's background compile of this small schema has landed already
-    assert isinstance(grammars.cached(SPEC), LLGrammar | xgr.CompiledGrammar)
+    assert (first.backend, first.reason, first.is_stand_in) == ("llguidance", FIRST_USE, True)
+    assert isinstance(grammars.cached(SPEC), LLGrammar)
+    # the request's add (here one that, sent before its verdict, compiles after it: a hit) is no
+    # second use: it starts no xgrammar compile
+    assert grammars.get(SPEC).result(timeout=120).is_stand_in
     grammars.idle(2)
+    assert sent.get(timeout=120) == GrammarsIdle(2)  # nothing told unasked: no compile ran
+    assert grammars.stage.stats.backends == {f"llguidance: {FIRST_USE}": 1}
+    # the serving process asks again on a hit of its cached stand-in: the spec's second use
+    grammars.verdict(3, SPEC)
+    second = sent.get(timeout=120)
+    assert (second.token, second.backend, second.is_stand_in) == (3, "llguidance", True)
+    grammars.idle(4)
     replaced, idle = sorted((sent.get(timeout=120), sent.get(timeout=120)), key=lambda m: type(m).__name__)
-    assert idle == GrammarsIdle(2)  # xgrammar's background compile has ended
+    assert idle == GrammarsIdle(4)  # xgrammar's background compile has ended
     assert isinstance(grammars.cached(SPEC), xgr.CompiledGrammar)
     # and the serving process is told unasked, so that its later hits need not ask
     assert isinstance(replaced, GrammarVerdict) and (replaced.token, replaced.key) == (0, SPEC.key)
     assert (replaced.backend, replaced.is_stand_in) == ("xgrammar", False)
-    grammars.verdict(3, SPEC)
+    grammars.verdict(5, SPEC)
     again = sent.get(timeout=120)
     assert (again.backend, again.is_stand_in) == ("xgrammar", False)
-    assert again.compiles == {"llguidance: xgrammar compile outlasts preparation": 1, "xgrammar: default": 1}
+    assert again.compiles == {f"llguidance: {FIRST_USE}": 1, "xgrammar: replaces the llguidance stand-in": 1}
     assert grammars.get(SPEC).result(timeout=120).grammar is grammars.cached(SPEC)  # a hit: no compile
+    assert sent.empty()
 
 
 def test_a_refused_spec_is_a_typed_verdict_naming_its_field(grammars: EngineGrammars, sent: queue.Queue[Any]) -> None:

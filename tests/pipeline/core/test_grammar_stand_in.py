@@ -1,5 +1,6 @@
-"""A request does not wait for an xgrammar compile, whatever its preparation: llguidance serves it
-while xgrammar compiles in the background for later requests."""
+"""A request does not wait for an xgrammar compile, whatever its preparation: llguidance serves a new
+spec's first use and starts no xgrammar compile; its second use starts one in the background, for the
+requests after it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pipeline.core.pipeline import Pipeline
 from pipeline.errors import RequestCancelled
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint
+from stages.grammar_types import FIRST_USE
 from tests.grammars import GatedCompiler
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
@@ -87,28 +89,36 @@ def image_body(seed: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("preparation", ["text only", "cached image", "distinct image"])
-async def test_a_new_schema_is_served_by_llguidance_until_xgrammar_compiled_it(
+async def test_a_new_schema_is_served_by_llguidance_until_its_second_use_compiled_xgrammar(
     pipe: Pipeline, gate: threading.Event, preparation: str
 ) -> None:
-    """xgrammar's compile outlasts preparation (it waits for the gate): llguidance serves, and the
-    requests after it get xgrammar's grammar. Whatever the preparation, nobody waits for that compile:
-    it runs at the lowest CPU priority."""
-    body = TEXT if preparation == "text only" else image_body(21 if preparation == "cached image" else 22)
+    """The first use starts no xgrammar compile; the second, still served by llguidance, starts it (it
+    waits for the gate); the requests after it get xgrammar's grammar. Whatever the preparation,
+    nobody waits for that compile: it runs at the lowest CPU priority."""
+    grammar = pipe.preparation.grammar
+    xgrammar = grammar.compilers["xgrammar"]
+    assert isinstance(xgrammar, GatedCompiler)
     new = schema(preparation.replace(" ", "_"))
+    key = spec_of(new).key
+
+    def body(seed: int) -> dict[str, Any]:
+        return TEXT if preparation == "text only" else image_body(21 if preparation == "cached image" else seed)
+
     with anyio.fail_after(60):
         if preparation == "cached image":
-            await (await pipe.submit({**body, "max_tokens": 1})).result()  # its embeddings now cached
-        assert await served_by(pipe, body, new) == "llguidance"
+            await (await pipe.submit({**body(0), "max_tokens": 1})).result()  # its embeddings now cached
+        assert await served_by(pipe, body(22), new) == "llguidance"
         stand_in = cached(pipe, new)
-        assert stand_in.is_stand_in and stand_in.reason == "xgrammar compile outlasts preparation"
+        assert stand_in.is_stand_in and stand_in.reason == FIRST_USE
+        await anyio.wait_all_tasks_blocked()
+        assert grammar.num_compiling == 0 and xgrammar.calls[key] == 0  # a one-off schema: nothing more
+        assert await served_by(pipe, body(23), new) == "llguidance"  # the second use: the stand-in serves
+        assert cached(pipe, new) is stand_in and grammar.num_compiling == 1  # and xgrammar compiles
         gate.set()
-        await pipe.preparation.grammar.wait_idle()
-        later = body if preparation != "distinct image" else image_body(23)
-        assert await served_by(pipe, later, new) == "xgrammar"
-    xgrammar = pipe.preparation.grammar.compilers["xgrammar"]
-    assert isinstance(xgrammar, GatedCompiler)
+        await grammar.wait_idle()
+        assert await served_by(pipe, body(24), new) == "xgrammar"
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert xgrammar.nice[spec_of(new).key] == min(19, base + 19)
+    assert xgrammar.calls[key] == 1 and xgrammar.nice[key] == min(19, base + 19)
     await assert_released(pipe)
 
 
@@ -123,18 +133,19 @@ async def test_a_request_cancelled_while_its_grammar_compiles_leaves_nothing_beh
     try:
         with anyio.fail_after(60):
             handle = await pipe.submit(guided(TEXT, new))
-            while grammar.num_compiling < 2:  # both compiles started: xgrammar's and its stand-in's
+            while grammar.num_compiling < 1:  # llguidance's compile started (the first use's only one)
                 await anyio.wait_all_tasks_blocked()
             handle.cancel()
             with pytest.raises(RequestCancelled):
                 await handle.result()
-            assert grammar.num_compiling == 2  # the compiles outlive the request that started them
+            assert grammar.num_compiling == 1  # the compile outlives the request that started it
             l_gate.set()
-            gate.set()
             await assert_released(pipe)  # every limiter token, compile, job and engine slot returned
     finally:
         grammar.compilers["llguidance"] = real_llguidance
     resources = pipe.resources()
     assert resources.grammar_compiles == 0
     assert resources.limiter_tokens["grammar"] == 0 and resources.limiter_tokens["grammar_fast"] == 0
-    assert cached(pipe, new).backend == "xgrammar"  # the background compile filled the cache
+    assert cached(pipe, new).is_stand_in  # the compile filled the cache, for the schema's next use
+    xgrammar = grammar.compilers["xgrammar"]
+    assert isinstance(xgrammar, GatedCompiler) and xgrammar.calls[spec_of(new).key] == 0
