@@ -6,8 +6,8 @@ compile. Its first token is sampled after that forward when the compile has ende
 millisecond at most past it: llguidance's compile of a schema takes about as long as the forward);
 otherwise its last prompt token runs again, held by the scheduler until the compile ends, so no step
 waits for a compile (sampling/step.py). Its handle waits for the compile's verdict before any token
-leaves (a refused spec is still the 400 naming its field). An engine in this process waits on a ``Future`` of the grammar (``settle`` fills it); one in
-its own process on its own compile of the spec.
+leaves (a refused spec is still the 400 naming its field). An engine in this process waits on a
+``Future`` of the grammar (``settle`` fills it); one in its own process on its own compile of the spec.
 """
 
 from __future__ import annotations
