@@ -96,17 +96,23 @@ def test_an_llguidance_grammar_gives_its_validating_matcher_to_its_first_sequenc
     assert taken[0] and taken == [second.accept_token(t) for t in tokens]  # the same state, the same answers
 
 
+@pytest.mark.parametrize("n", [1, 3])
 def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
-    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+    new_engine: NewEngine,
+    hf_tokenizer: Any,
+    grammar_compilers: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
 ) -> None:
     """A compile of seconds (xgrammar's, where llguidance refused the spec) must not stall the step
     loop: the other request decodes to its end while the pending one waits, prefilled but for its
-    last token, then samples under its grammar exactly as with the grammar known from the start."""
+    last token, then samples under its grammar exactly as with the grammar known from the start
+    (with n > 1, it forks once that token has run)."""
     spec = GrammarSpec("json_schema", SCHEMA)
     grammar = grammar_compilers[1].compile(spec).grammar
     ids = prompt(hf_tokenizer, "pending")
     engine = new_engine()
-    expected = run_all(_with(new_engine, "pending", ids, grammar, 1))[("pending", 0)]
+    expected = run_all(_with(new_engine, "pending", ids, grammar, n))
     forwards = _landing_with_the_prefill(engine, monkeypatch, lambda: None)
     other_ids = prompt(hf_tokenizer, "other")
     pending: Future[Any] = Future()
@@ -115,7 +121,7 @@ def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
     guard = threading.Timer(10.0, lambda: pending.done() or pending.set_result(grammar))
     guard.start()
     try:
-        add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0)
+        add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0, n=n)
         add(engine, "other", other_ids, max_tokens=6, temperature=0.0, ignore_eos=True)
         other: list[int] = []
         for _ in range(50):
@@ -132,8 +138,9 @@ def test_a_compile_that_outlasts_the_prefill_holds_its_own_sequence_and_no_step(
     finally:
         guard.cancel()
     outputs = run_all(engine)
-    assert outputs[("pending", 0)].token_ids == expected.token_ids
-    assert outputs[("pending", 0)].finish_reason == expected.finish_reason == "stop"
+    for index in range(n):
+        assert outputs[("pending", index)].token_ids == expected[("pending", index)].token_ids
+        assert outputs[("pending", index)].finish_reason == expected[("pending", index)].finish_reason == "stop"
     # its whole prompt, unsampled; the other's; its last token again, once the compile had ended
     assert forwards == [len(ids), len(other_ids), 1]
 
