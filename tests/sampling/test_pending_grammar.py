@@ -164,3 +164,29 @@ def test_a_failed_compile_in_a_batching_engine_fails_only_its_own_request(
     # "busy" sampled its first token in the step above
     assert [len(outputs[(other, 0)].token_ids) for other in ("busy", "free")] == [7, 8]
     assert all(outputs[(other, 0)].finish_reason == "length" for other in ("busy", "free"))
+
+
+def test_a_deferred_last_token_leaves_the_block_it_would_fill_unregistered_until_it_has_run(
+    new_engine: NewEngine, hf_tokenizer: Any, grammar_compilers: tuple[Any, Any]
+) -> None:
+    """A prompt of whole blocks whose compile outlasts its forward: the block its last token fills is
+    not offered to prefix hits while that token waits to run again, and the prompt's blocks serve a
+    later request with the same prompt, which answers as the first did."""
+    grammar = grammar_compilers[1].compile(GrammarSpec("json_schema", SCHEMA)).grammar
+    ids = prompt(hf_tokenizer, "a prompt of whole blocks, " * 8)[:48]  # 3 blocks of 16 tokens
+    assert len(ids) == 48
+    expected = run_all(_with(new_engine, "known", ids, grammar, 1))[("known", 0)]
+    engine = new_engine()
+    pending: Future[Any] = Future()
+    add(engine, "pending", ids, pending, max_tokens=48, temperature=0.0)
+    assert engine.step() == []  # the whole prompt's forward; the compile has not ended
+    held = engine.requests["pending"].seqs[0]
+    assert held.held_for_grammar and held.num_computed == 47 and held.num_registered == 32
+    pending.set_result(grammar)
+    first = run_all(engine)[("pending", 0)]
+    stats = engine.scheduler.allocator.stats
+    hits = stats.hits
+    add(engine, "again", ids, grammar, max_tokens=48, temperature=0.0)
+    again = run_all(engine)[("again", 0)]
+    assert first.token_ids == again.token_ids == expected.token_ids and first.finish_reason == "stop"
+    assert stats.hits - hits >= 2  # the prompt's blocks, computed once each
