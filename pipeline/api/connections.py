@@ -11,6 +11,9 @@ head, and what happens at the cap.
   closed to make room (slow and idle clients lose first); when none waits, the new one is refused
   with a 503. Connections beyond the cap never reach ``accept()`` failures: the file-descriptor
   limit is raised at start and the cap is kept under it.
+- **Bodies a few at a time**: at most ``max_reading_bodies`` request bodies are read at once, the
+  others wait in arrival order with their connections paused, and a body that arrives slower than
+  ``min_body_rate`` gives its slot up (``pipeline/api/body_pacing.py``).
 - **Counted, logged once per interval**: refusals, evictions and header timeouts are counted in
   ``ConnectionStats`` and logged as one summary line per ``log_interval_s``, never per connection.
 """
@@ -43,13 +46,17 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0  # for a request head to arrive whole
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection closes after this
     log_interval_s: float = 10.0  # at most one summary line of refusals per interval
+    max_reading_bodies: int = 2  # request bodies read at once (pipeline/api/body_pacing.py)
+    min_body_rate: float = 4e6  # bytes a second: a body that arrives slower reads on without its slot
 
     def __post_init__(self) -> None:
         if self.max_connections < 2:
             raise ValueError(f"max_connections must be at least 2, got {self.max_connections}")
         if not 1 <= self.reserved_connections < self.max_connections:
             raise ValueError(f"reserved_connections must be in [1, max_connections), got {self.reserved_connections}")
-        for name in ("header_timeout_s", "keepalive_timeout_s", "log_interval_s"):
+        if self.max_reading_bodies < 1:
+            raise ValueError(f"max_reading_bodies must be at least 1, got {self.max_reading_bodies}")
+        for name in ("header_timeout_s", "keepalive_timeout_s", "log_interval_s", "min_body_rate"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -98,7 +105,7 @@ def fitted(limits: ConnectionLimits, fd_limit: int) -> ConnectionLimits:
         limits.max_connections,
         reserve,
     )
-    return ConnectionLimits(cap, reserve, limits.header_timeout_s, limits.keepalive_timeout_s, limits.log_interval_s)
+    return dataclasses.replace(limits, max_connections=cap, reserved_connections=reserve)
 
 
 class ConnectionGuard:

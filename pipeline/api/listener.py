@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, InvalidURLError
 from aiohttp.web_request import BaseRequest
 
+from pipeline.api.body_pacing import BodyPacer, read_heads
 from pipeline.api.connections import ConnectionGuard, ConnectionLimits, Place, fitted, raise_fd_limit
 from pipeline.api.replies import error_reply
 from pipeline.api.server import error_response
@@ -55,9 +56,10 @@ def _malformed(status: int, exc: BaseException | None, message: str | None) -> P
 class GuardedHandler(web.RequestHandler):
     """aiohttp's per-connection protocol, admitted by the guard, under the header deadline."""
 
-    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, bodies: BodyPacer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._guard = guard
+        self.bodies = bodies  # how the request handlers read bodies: a few at a time
         self._place: Place | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._busy = False
@@ -78,6 +80,7 @@ class GuardedHandler(web.RequestHandler):
             transport.close()
             return
         super().connection_made(transport)
+        read_heads(transport)  # a burst's arrival reads heads; bodies wait for their turn
         self._arm_deadline()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -177,11 +180,12 @@ class GuardedHandler(web.RequestHandler):
 
 @dataclass(frozen=True, slots=True)
 class Listener:
-    """A listening server: its URL and its guard (limits and counts)."""
+    """A listening server: its URL, its guard (limits and counts) and its body pacer."""
 
     url: str
     port: int
     guard: ConnectionGuard
+    bodies: BodyPacer
 
 
 @asynccontextmanager
@@ -201,17 +205,20 @@ async def listen(
     await runner.setup()
     loop = asyncio.get_running_loop()
     guard = ConnectionGuard(limits, loop.time, loop.call_later)
+    bodies = BodyPacer(limits.max_reading_bodies, limits.min_body_rate)
     manager = runner.server
     assert manager is not None
 
     def connection() -> GuardedHandler:
-        return GuardedHandler(manager, guard, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None)
+        return GuardedHandler(
+            manager, guard, bodies, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None
+        )
 
     server = await loop.create_server(connection, host, port, backlog=backlog)
     bound = server.sockets[0].getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     try:
-        yield Listener(f"http://{shown}:{bound}", bound, guard)
+        yield Listener(f"http://{shown}:{bound}", bound, guard, bodies)
     finally:
         server.close()
         await runner.cleanup()

@@ -12,6 +12,7 @@ from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestPayloadError
 
 from pipeline.api.auth import api_key_middleware
+from pipeline.api.body_pacing import BodyPacer
 from pipeline.api.openapi import ROUTES
 from pipeline.api.replies import Reply, StreamReply, error_reply
 from pipeline.api.routes import Api
@@ -118,8 +119,11 @@ async def _answer(request: web.Request) -> web.StreamResponse:
         error = InvalidRequest(f"Content-Encoding {encoding!r} is not supported", field="Content-Encoding")
         error.status = 415  # an instance attribute: the class keeps its own
         return error_response(error)
+    # a connection of our listener reads bodies a few at a time (pipeline/api/body_pacing.py)
+    bodies: BodyPacer | None = getattr(request.protocol, "bodies", None)
     try:
-        body = await request.read()  # over the cap: the middleware answers 413
+        # over the cap: the middleware answers 413
+        body = await (bodies.read(request) if bodies is not None else request.read())
     except RequestPayloadError as exc:  # a broken encoding or framing: the connection is spent
         response = error_response(_unreadable_body(exc, request))
         response.force_close()
