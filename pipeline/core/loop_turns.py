@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
+
+from pipeline.outcome import Outcome
 
 __all__ = ["LoopTurns"]
 
@@ -26,6 +30,24 @@ class LoopTurns:
     async def acquire(self) -> None:
         """Wait for the turn (a cancelled waiter holds nothing)."""
         await self.limiter.acquire()
+
+    async def acquire_unless_failed(self, outcome: Outcome[Any]) -> BaseException | None:
+        """Wait for the turn, or for ``outcome`` to fail if it does first: None with the turn held,
+        else ``outcome``'s error with nothing held (a request whose compile is refused while it
+        waits ends at once, taking no turn)."""
+        held = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await outcome.wait()
+                if outcome.error is not None and not held:
+                    tg.cancel_scope.cancel()  # its acquire is cancelled: a cancelled waiter holds nothing
+
+            tg.start_soon(watch)
+            await self.acquire()
+            held = True
+            tg.cancel_scope.cancel()  # the watch is not needed any more
+        return None if held else outcome.error
 
     def release(self) -> None:
         """Give the turn to the next waiter."""

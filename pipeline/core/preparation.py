@@ -289,7 +289,9 @@ class Preparation:
             if job.error is None and not is_early:
                 await prep.grammar.wait()
             error = job.error or prep.grammar.error
-            if error is None:
+            if error is None and is_early:  # its compile may still be refused while it waits
+                error = await self.turns.acquire_unless_failed(prep.grammar)
+            elif error is None:
                 await self.turns.acquire()
         except BaseException:
             job.cancel()

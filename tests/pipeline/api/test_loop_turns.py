@@ -5,6 +5,7 @@ a request cancelled while it waits holds nothing, and one that already failed ta
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import GrammarError, ImageDecodeError
 from pipeline.protocol.request import ChatRequest
+from stages.grammar import GrammarStage
+from tests.grammars import GatedCompiler
 from tests.images import data_url, image_request
 from tests.released import assert_released
 
@@ -170,4 +173,46 @@ async def test_a_request_that_failed_in_preparation_ends_without_waiting_for_the
     for handle, error in zip(handles, (GrammarError, ImageDecodeError), strict=True):
         with pytest.raises(error):
             await handle.result()
+    await assert_released(pipe)
+
+
+async def test_a_request_whose_compile_is_refused_while_it_waits_for_the_turn_leaves_at_once(
+    pipe: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text-only request goes for its turn before its compile ends (grammar_overlap); a refusal
+    that comes while it waits ends it there, holding no turn and sending nothing to the engine."""
+    gate = threading.Event()
+    grammar = pipe.preparation.grammar
+    assert isinstance(grammar, GrammarStage)  # thread mode: the compile runs here
+    compilers = grammar.compilers
+    monkeypatch.setitem(compilers, "llguidance", GatedCompiler(compilers["llguidance"], gate))
+    unsatisfiable = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 4, "maxItems": 2}},
+    }
+    submitted: list[str] = []
+    submit = pipe.engine.submit
+
+    def spy(inp: Any) -> Any:
+        submitted.append(inp.request_id)
+        return submit(inp)
+
+    monkeypatch.setattr(pipe.engine, "submit", spy)
+    turns = pipe.loop_turns
+    with anyio.fail_after(60):
+        await turns.acquire()
+        try:
+            handle = await pipe.submit(
+                {"messages": [{"role": "user", "content": "go"}], "response_format": unsatisfiable}
+            )
+            while turns.limiter.statistics().tasks_waiting == 0:
+                await anyio.wait_all_tasks_blocked()  # its preparation ends; it waits for the turn
+            gate.set()  # the compile goes on, and is refused
+            with pytest.raises(GrammarError):
+                await handle.result()
+            assert turns.limiter.statistics().tasks_waiting == 0
+        finally:
+            gate.set()
+            turns.release()
+    assert submitted == []
     await assert_released(pipe)
