@@ -165,10 +165,10 @@ async def test_a_waiter_that_goes_away_holds_nothing_and_the_next_one_reads() ->
     first, gone, last = _Request(go), _Request(go), _Request(go)
     with anyio.fail_after(10):
         reading = asyncio.ensure_future(pacer.read(first))  # type: ignore[arg-type]
-        await asyncio.sleep(0)  # one loop iteration: it takes the slot
+        await anyio.wait_all_tasks_blocked()  # it took the slot and waits in its read
         waiting = asyncio.ensure_future(pacer.read(gone))  # type: ignore[arg-type]
         queued = asyncio.ensure_future(pacer.read(last))  # type: ignore[arg-type]
-        await asyncio.sleep(0)  # one more: both are queued now
+        await anyio.wait_all_tasks_blocked()  # both wait for the slot now
         assert (pacer.num_reading, pacer.num_waiting) == (1, 2)
         assert gone.transport.calls == ["pause"] and last.transport.calls == ["pause"]
         waiting.cancel()
