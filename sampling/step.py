@@ -153,9 +153,11 @@ class StepParts:
         waited = time.perf_counter()
         sampled, filled = fill.result() if fill is not None else (seqs, [])
         timing.wait = time.perf_counter() - waited
-        deferred = [s for s in seqs if all(s is not t for t in sampled)]
-        if deferred:  # their grammars still compile: each samples in a step of its own later
-            logits = logits[[i for i, s in enumerate(seqs) if all(s is not d for d in deferred)]]
+        deferred: list[Sequence] = []
+        if len(sampled) < len(seqs):  # grammars still compile: their sequences sample in a later step
+            kept = {id(s) for s in sampled}
+            deferred = [s for s in seqs if id(s) not in kept]
+            logits = logits[[i for i, s in enumerate(seqs) if id(s) in kept]]
             seqs = sampled
         if chunks:
             self._computed(chunks, deferred)
@@ -177,8 +179,8 @@ class StepParts:
         again, in the chunk that samples once the grammar has compiled (so no block is registered
         for prefix hits with a token computed twice)."""
         for chunk in chunks:
-            deferred_here = any(chunk.seq is d for d in deferred)
-            chunk.seq.num_computed = chunk.end - 1 if deferred_here else chunk.end
+            is_deferred = any(chunk.seq is d for d in deferred)
+            chunk.seq.num_computed = chunk.end - 1 if is_deferred else chunk.end
             self.scheduler.cache_computed(chunk.seq)
 
     def decode(
