@@ -24,7 +24,7 @@ def _seq(seq_id: int, length: int, n: int = 1) -> Sequence:
     return Sequence(seq_id, f"r{seq_id}", 0, prompt, None, params, None, none, None, none, num_siblings=n)
 
 
-def _scheduler(max_prefill_seqs: int = 8) -> Scheduler:
+def _scheduler(max_prefill_seqs: int = 8, **overrides: Any) -> Scheduler:
     return Scheduler(
         BlockAllocator(64),
         block_size=BLOCK,
@@ -32,6 +32,7 @@ def _scheduler(max_prefill_seqs: int = 8) -> Scheduler:
         chunk_tokens=32,
         chunk_tokens_with_decodes=12,
         max_prefill_seqs=max_prefill_seqs,
+        **overrides,
     )
 
 
@@ -84,15 +85,7 @@ def test_max_prefill_seqs_must_be_positive() -> None:
 
 
 def test_decodes_join_a_step_of_short_chunks() -> None:
-    scheduler = Scheduler(
-        BlockAllocator(64),
-        block_size=BLOCK,
-        max_running=8,
-        chunk_tokens=32,
-        chunk_tokens_with_decodes=12,
-        max_prefill_seqs=8,
-        mixed_chunk_tokens=5,
-    )
+    scheduler = _scheduler(mixed_chunk_tokens=5)
     scheduler.add(_seq(0, 3))
     assert scheduler_steps(scheduler, 1) == [("prefill", 0, 0, 3)]
     scheduler.add(_seq(1, 5))
@@ -111,16 +104,7 @@ def test_decodes_join_a_step_of_short_chunks() -> None:
 def test_a_replay_with_all_but_its_last_token_cached_is_a_chunk_not_a_decode() -> None:
     """Such a replay is not prefilling (its cached prefix reaches its last token), yet its last token
     is its chunk: a mixed step must not decode it too."""
-    scheduler = Scheduler(
-        BlockAllocator(64),
-        block_size=BLOCK,
-        max_running=8,
-        chunk_tokens=32,
-        chunk_tokens_with_decodes=12,
-        prefix_caching=True,
-        max_prefill_seqs=8,
-        mixed_chunk_tokens=12,
-    )
+    scheduler = _scheduler(prefix_caching=True, mixed_chunk_tokens=12)
     first, second, third = _seq(0, 7), _seq(1, 7), _seq(2, 3)
     for seq in (first, second, third):
         scheduler.add(seq)
