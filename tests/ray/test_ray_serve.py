@@ -34,9 +34,14 @@ from pipeline.scaleout.ray_serve import APP_NAME, build_app, replica_ids  # noqa
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "embedded-pixtral-tiny-s1234-v1"
+# A bounded count: an unbounded integer lets a random-weight model write digits until max_tokens
+# (about 1 answer in 200 unseeded).
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
     "required": ["name", "count"],
     "additionalProperties": False,
 }
@@ -93,6 +98,7 @@ def test_guided_answer_validates(client: Any) -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "A thing and how many."}],
         max_tokens=64,
+        seed=5,
         response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}},
     )
     assert answer.choices[0].finish_reason == "stop"
