@@ -1,7 +1,7 @@
 """Turns logits into token ids: a greedy fast path, and per-row seeded sampling.
 
-Each sampled row draws its noise from its own generator, a fixed amount per step, so a seeded
-sequence produces the same tokens whatever else shares its batch.
+Each sampled row draws its noise from its own generator, a fixed amount per step (one number), so a
+seeded sequence produces the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -62,9 +62,22 @@ def sample(
         if p.is_greedy:
             continue
         scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = scaled.softmax(-1)
-        # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), draws token i with probability p_i.
-        # E = -log(U): 5x cheaper than Tensor.exponential_ on the CPU (0.55 vs 2.9 ms per 131k row)
-        noise = torch.rand(probs.shape, generator=gen, device=probs.device).log_().neg_()
-        out[row] = (probs / noise).argmax()
+        out[row] = _draw(scaled.softmax(-1), gen)
     return out
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Token ``i`` with probability ``probs[i]``, by inverse transform: the first token whose running
+    sum reaches a uniform draw over ``(0, total]``.
+
+    One random number per row and step: the exponential race (argmax of ``p / E``) drew one per
+    vocabulary token, and generating them was most of its cost on the CPU (``bench ahead
+    --temperature 1``, batch 8: the step's sampling 10.8-11.8 ms before, 4.7-5.0 after). The running
+    sum is float64: each token's interval is its float32 probability to within about 2e-16. A token
+    at probability 0 (masked, or cut by top-k/top-p) has an empty interval, and the draw is never 0,
+    so it is never drawn.
+    """
+    cumulative = probs.to(torch.float64).cumsum(-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    target = (1.0 - u) * cumulative[-1]  # in (0, total]
+    return torch.searchsorted(cumulative, target).clamp_(max=probs.shape[-1] - 1)[0]

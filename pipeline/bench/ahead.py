@@ -57,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved (sync, ahead) pairs per batch and kind")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0 every token is sampled")
     add_torch_arguments(parser)
     parser.add_argument("--out", default=None, help="folder for ahead.json and ahead.png")
 
@@ -87,12 +88,12 @@ class ForwardGaps:
 
 
 def _run_once(
-    engine: LLMEngine, prompts: list[list[int]], grammar: Any, steps: int, tag: str
+    engine: LLMEngine, prompts: list[list[int]], grammar: Any, steps: int, tag: str, temperature: float = 0.0
 ) -> tuple[float, list[StepTiming]]:
     """TPOT of one run (wall-clock, full-batch steps) and the timeline of its full-batch decode steps."""
     engine.timeline.clear()
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=grammar is None)
+        params = SamplingParams(max_tokens=steps, temperature=temperature, ignore_eos=grammar is None)
         engine.add(EngineInput(f"{tag}-{i}", prompt, 10, None, params, grammar))
     gaps: list[float] = []
     last_full: float | None = None  # when the call before returned, if it gave every sequence a token
@@ -138,7 +139,9 @@ def _measure_batch(
             order = LOOPS if pair % 2 == 0 else LOOPS[::-1]
             tpot: dict[str, float] = {}
             for loop in order:
-                tpot[loop], steps = _run_once(engines[loop], prompts, g, args.steps, f"{kind}{batch}{loop}{pair}")
+                tpot[loop], steps = _run_once(
+                    engines[loop], prompts, g, args.steps, f"{kind}{batch}{loop}{pair}", args.temperature
+                )
                 tpots[f"{kind} {loop}"].append(tpot[loop])
                 if gaps is not None:
                     gap_log.setdefault(f"{kind}_{loop}", []).append(median(gaps.take()))
@@ -235,13 +238,15 @@ def run_ahead(args: argparse.Namespace) -> dict[str, Any]:
             timelines.update(timeline)
     threads = torch.get_num_threads()
     load.append(load_average())
+    sampling = f"temperature {args.temperature:g}" if args.temperature else "greedy"
     print(
-        f"\nahead: {args.steps} tokens per sequence, greedy, {args.pairs} interleaved pairs per batch and kind, "
+        f"\nahead: {args.steps} tokens per sequence, {sampling}, {args.pairs} interleaved pairs per batch and kind, "
         f"{device}, torch threads {threads}, {machine()}, load {load[0]} -> {load[1]}"
     )
     _print_results(results, timelines)
     figures = {
         "scenario": "ahead",
+        "temperature": args.temperature,
         "results": [{k: r[k] for k in ("batch", "plain_ratio", "guided_ratio")} for r in results],
     }
 
