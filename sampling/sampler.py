@@ -80,4 +80,5 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     cumulative = probs.to(torch.float64).cumsum(-1)
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
     target = (1.0 - u) * cumulative[-1]  # in (0, total]
+    # the clamp: a row of NaN probabilities (every logit -inf) would search past the end
     return torch.searchsorted(cumulative, target).clamp_(max=probs.shape[-1] - 1)[0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import StreamReader, web
 
@@ -60,7 +60,7 @@ class _Slot:
     content: StreamReader
     seen: int = 0  # the body's bytes received at the last check
     timer: asyncio.TimerHandle | None = None
-    held: bool = field(default=True)
+    held: bool = True
 
 
 class BodyPacer:

@@ -127,7 +127,8 @@ async def _measure(
             for kind in KINDS:
                 await (await pipe.submit(_body(url(prep), _grammar(kind, offset - 1 - p, known)))).result()
                 await grammar.wait_idle()
-        # the known schema's second use starts the compile auto dispatch serves its later uses with
+        # one more use of the known schema (the warm-up used it once per preparation): with one
+        # preparation this is its second use, which starts the compile auto dispatch serves it with
         await grammar.compile(GrammarSpec("json_schema", schema(known)))
         await grammar.wait_idle()
         for i in tqdm(range(repeats), desc=f"compile {backend}, engine {mode}", file=sys.stderr):
