@@ -295,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--trace", default=None, help="write every request's stage spans (Chrome trace JSON) at exit")
     b = sub.add_parser("bench", help="benchmarks: python -m pipeline bench SCENARIO --help")
+    c = sub.add_parser("checkpoint", help="write a random-weight checkpoint of a released model's shape")
+    c.add_argument("folder")
+    c.add_argument("--preset", default="pixtral-7b", choices=["pixtral-7b", "pixtral-12b"])
+    c.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: seconds, cpu: minutes)")
+    c.add_argument("--seed", type=int, default=0)
     from pipeline.bench import add_bench_arguments, run_bench
 
     add_bench_arguments(b)
@@ -313,4 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         _exit_without_waiting_for_threads()
         return 0
+    if args.command == "checkpoint":
+        from vision.sized_checkpoint import run as write_checkpoint
+
+        return write_checkpoint(args)
     return run_bench(args)

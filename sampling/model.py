@@ -130,8 +130,10 @@ class MistralLM(nn.Module):
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+        # on the CPU by name: the runner builds the parameters on the meta device, but these tables
+        # are not in the checkpoint and must hold numbers
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").float() / cfg.head_dim))
+        freqs = torch.outer(torch.arange(max_positions, device="cpu").float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor

@@ -31,9 +31,12 @@ class ModelRunner(PagedRunner):
         super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size)
         self.lm_config = lm = LMConfig.from_hf(checkpoint.text_config)
         self.cfg = ModelShape(lm.vocab_size, lm.hidden_size, lm.num_layers, lm.num_kv_heads, lm.head_dim)
-        self.model = MistralLM(lm, max_model_len)
-        self.embed_tokens = self.model.embed_tokens
+        # parameters without storage: the checkpoint's tensors are assigned in, so a 7B model is not
+        # first drawn at random in fp32 on the host (32 GB, a minute) only to be overwritten
+        with torch.device("meta"):
+            self.model = MistralLM(lm, max_model_len)
         self._load(checkpoint)
+        self.embed_tokens = self.model.embed_tokens
         self.model.to(self.device, self.dtype).eval()
         self._allocate(num_blocks)
 
@@ -45,7 +48,7 @@ class ModelRunner(PagedRunner):
             weights["lm_head.weight"] = head["weight"]
         elif self.lm_config.tie_word_embeddings:
             weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing, unexpected = self.model.load_state_dict(weights, strict=False, assign=True)
         unexpected = [u for u in unexpected if "rotary_emb" not in u]
         if missing or unexpected:
             raise ValueError(f"language model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")

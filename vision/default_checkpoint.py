@@ -13,7 +13,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_SEED", "ensure_default_checkpoint", "tekken_tokenizer_path", "write_default_checkpoint"]
+__all__ = [
+    "DEFAULT_SEED",
+    "ensure_default_checkpoint",
+    "tekken_tokenizer_path",
+    "write_default_checkpoint",
+    "write_pixtral_preprocessing",
+]
 
 DEFAULT_SEED = 1234
 _FORMAT_VERSION = "1"  # bump when the architecture below changes, so old caches are rebuilt
@@ -73,20 +79,27 @@ def _model_config():  # type: ignore[no-untyped-def]
 def write_default_checkpoint(folder: Path, *, seed: int = DEFAULT_SEED) -> None:
     """Write config, safetensors weights, tokenizer and image processor files into ``folder``."""
     import torch
-    from transformers import LlavaForConditionalGeneration, PixtralImageProcessor
-    from transformers.integrations.mistral import convert_tekken_tokenizer
+    from transformers import LlavaForConditionalGeneration
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(_model_config()).eval()
     model.save_pretrained(folder, safe_serialization=True)
+    write_pixtral_preprocessing(folder, longest_edge=IMAGE_LONGEST_EDGE, patch_size=PATCH_SIZE)
+    (folder / "EMBEDDED_DEFAULT").write_text(f"seed={seed} format={_FORMAT_VERSION}\n")
+
+
+def write_pixtral_preprocessing(folder: Path, *, longest_edge: int, patch_size: int) -> None:
+    """The tekken tokenizer (converted) and a Pixtral image processor, written into ``folder``."""
+    from transformers import PixtralImageProcessor
+    from transformers.integrations.mistral import convert_tekken_tokenizer
+
     tokenizer = convert_tekken_tokenizer(tekken_tokenizer_path())
     tokenizer.save_pretrained(folder)
     processor = PixtralImageProcessor(
-        size={"longest_edge": IMAGE_LONGEST_EDGE}, patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE}
+        size={"longest_edge": longest_edge}, patch_size={"height": patch_size, "width": patch_size}
     )
     processor.save_pretrained(folder)
-    (folder / "EMBEDDED_DEFAULT").write_text(f"seed={seed} format={_FORMAT_VERSION}\n")
 
 
 def ensure_default_checkpoint(cache_dir: Path, *, seed: int = DEFAULT_SEED) -> Path:

@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.bench.common import (
+    add_model_argument,
     add_torch_arguments,
     load_average,
     machine,
@@ -54,6 +55,7 @@ LOOPS = ("sync", "ahead")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved (sync, ahead) pairs per batch and kind")
@@ -106,6 +108,10 @@ def _run_once(
         if is_full and last_full is not None:
             gaps.append(now - last_full)
         last_full = now if is_full else None
+    if not gaps:
+        # prefills are admitted one a step, so every sequence decodes at once only from the last
+        # prefill until the first sequence ends: steps must outlast the batch's admission
+        raise RuntimeError(f"no two full-batch steps in a row at batch {len(prompts)}: raise --steps above the batch")
     full = [t for t in engine.timeline if t.kind == "decode" and t.batch == len(prompts)]
     return median(gaps), full
 
@@ -207,7 +213,7 @@ def run_ahead(args: argparse.Namespace) -> dict[str, Any]:
 
     load = [load_average()]
     device = torch_device(args)
-    checkpoint = open_checkpoint(None, default_cache_dir())
+    checkpoint = open_checkpoint(args.model, default_cache_dir())
     batches = [int(b) for b in args.batches.split(",")]
     config = PipelineConfig(
         max_running_seqs=max(batches),

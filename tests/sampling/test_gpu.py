@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SCHEMA = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["ok", "n"],
     "additionalProperties": False,
 }
