@@ -17,7 +17,7 @@ from torch import nn
 
 from sampling.paged_attention import AttentionBatch, attend_tokens
 
-__all__ = ["AttentionBatch", "LMConfig", "MistralLM"]
+__all__ = ["STACKED_PROJECTIONS", "AttentionBatch", "LMConfig", "MistralLM", "stack_projections"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +61,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # normalised in fp32, rounded to the input's dtype, then scaled: transformers' order
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,12 +71,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Attention(nn.Module):
+    """Q, K and V come out of one matrix product (the checkpoint's three weights stacked at load),
+    and one RoPE pass rotates Q and K together: a decode step's cost on a GPU is its kernel launches."""
+
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, width, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
@@ -91,24 +92,27 @@ class _Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         n = x.shape[0]
-        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
+        rotated = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+        qk = qkv[:, :rotated].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        v = qkv[:, rotated:].view(n, cfg.num_kv_heads, cfg.head_dim)
         out = attend_tokens(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
 class _MLP(nn.Module):
+    """Gate and up projections as one matrix product (stacked at load)."""
+
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _Layer(nn.Module):
@@ -118,6 +122,24 @@ class _Layer(nn.Module):
         self.self_attn = _Attention(cfg)
         self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = _MLP(cfg)
+
+
+# the fused projections and the checkpoint's weights they stack, in order
+STACKED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def stack_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-projection weights (Hugging Face names) stacked into the fused ones."""
+    weights = dict(weights)
+    for i in range(num_layers):
+        for fused, parts in STACKED_PROJECTIONS.items():
+            names = [f"layers.{i}.{part}.weight" for part in parts]
+            if all(name in weights for name in names):
+                weights[f"layers.{i}.{fused}.weight"] = torch.cat([weights.pop(name) for name in names])
+    return weights
 
 
 class MistralLM(nn.Module):
