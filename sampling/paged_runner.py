@@ -177,11 +177,13 @@ class PagedRunner:
         (0.94 ms at B = 32, now 0.10 ms), each a GIL handoff when another thread runs Python beside it.
         """
         bs = self.block_size
-        max_len = max(positions) + 1
-        num_blocks = -(-max_len // bs)
+        num_blocks = -(-(max(positions) + 1) // bs)
+        # L is whole blocks, so the attention's shapes change once every block_size steps, not at every
+        # step: on the H100 the cuDNN attention built a new execution plan per new shape
+        max_len = num_blocks * bs
         # tables: [B, num_blocks] each row's blocks in position order, padded with block 0
         tables = torch.tensor([(t + [0] * num_blocks)[:num_blocks] for t in block_tables])
-        slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L] slot of position j
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [B, L] slot of position j
         pos = torch.tensor(positions)
         key_valid = torch.arange(max_len)[None] <= pos[:, None]  # [B, L]
         return AttentionBatch(
