@@ -54,7 +54,10 @@ def sample(
     """One token id per row, ``[B]`` int64 on the logits' device; ``greedy`` may bring the rows'
     argmax when the caller already has it."""
     if greedy is None:
-        greedy = greedy_ids(logits)
+        if not any(p.is_greedy for p in params):  # every row samples: no argmax over the vocabulary
+            greedy = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        else:
+            greedy = greedy_ids(logits)
     if all(p.is_greedy for p in params):
         return greedy
     out = greedy.clone()

@@ -108,10 +108,6 @@ def _run_once(
         if is_full and last_full is not None:
             gaps.append(now - last_full)
         last_full = now if is_full else None
-    if not gaps:
-        # prefills are admitted one a step, so every sequence decodes at once only from the last
-        # prefill until the first sequence ends: steps must outlast the batch's admission
-        raise RuntimeError(f"no two full-batch steps in a row at batch {len(prompts)}: raise --steps above the batch")
     full = [t for t in engine.timeline if t.kind == "decode" and t.batch == len(prompts)]
     return median(gaps), full
 
@@ -148,6 +144,10 @@ def _measure_batch(
                 tpot[loop], steps = _run_once(
                     engines[loop], prompts, g, args.steps, f"{kind}{batch}{loop}{pair}", args.temperature
                 )
+                if not tpot[loop]:
+                    # prefills are admitted one a step, so every sequence decodes at once only from the
+                    # last prefill until the first sequence ends: steps must outlast the batch's admission
+                    raise RuntimeError(f"no two full-batch steps in a row at batch {batch}: raise --steps")
                 tpots[f"{kind} {loop}"].append(tpot[loop])
                 if gaps is not None:
                     gap_log.setdefault(f"{kind}_{loop}", []).append(median(gaps.take()))

@@ -30,9 +30,18 @@ def test_a_scenario_that_fails_to_import_says_which_module_and_why(
     assert "pipeline.bench.no_such_module" in err and "ModuleNotFoundError" in err
 
 
-@pytest.mark.parametrize("scenario", ["prep", "guided", "tpot-under-load", "cache"])
+@pytest.mark.parametrize("scenario", ["prep", "guided", "ahead", "tpot-under-load", "cache"])
 def test_the_model_scenarios_take_a_checkpoint_folder(scenario: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", scenario, "--help"])
     assert info.value.code == 0
     assert "--model MODEL" in capsys.readouterr().out
+
+
+def test_ahead_runs_and_refuses_too_few_steps_for_its_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prefills are admitted one a step: with fewer steps than the batch needs to be admitted, no step
+    holds every sequence twice in a row, and the scenario says so rather than dividing by zero."""
+    assert main(["bench", "ahead", "--batches", "2", "--steps", "12", "--pairs", "1", "--device", "cpu"]) == 0
+    assert '"scenario": "ahead"' in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="no two full-batch steps in a row at batch 8"):
+        main(["bench", "ahead", "--batches", "8", "--steps", "3", "--pairs", "1", "--device", "cpu"])
