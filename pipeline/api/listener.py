@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +21,9 @@ from aiohttp.web_request import BaseRequest
 
 from pipeline.api.body_pacing import BodyPacer, read_heads
 from pipeline.api.connections import ConnectionGuard, ConnectionLimits, Place, fitted, raise_fd_limit
+from pipeline.api.http_metrics import exported
 from pipeline.api.replies import error_reply
-from pipeline.api.server import error_response
+from pipeline.api.server import PIPELINE_KEY, error_response
 from pipeline.errors import InvalidRequest, Overloaded, PipelineError
 
 __all__ = ["Listener", "listen"]
@@ -217,8 +218,12 @@ async def listen(
     server = await loop.create_server(connection, host, port, backlog=backlog)
     bound = server.sockets[0].getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    pipe = app.get(PIPELINE_KEY)
+    # /metrics shows the listener's connections and bodies beside the pipeline's
+    metrics = exported(pipe, guard, bodies) if pipe is not None else nullcontext()
     try:
-        yield Listener(f"http://{shown}:{bound}", bound, guard, bodies)
+        with metrics:
+            yield Listener(f"http://{shown}:{bound}", bound, guard, bodies)
     finally:
         server.close()
         await runner.cleanup()

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+from prometheus_client.registry import Collector
 
 from pipeline.config import PipelineConfig
 from pipeline.core.admission import Admission
@@ -115,6 +116,13 @@ class Pipeline:
     def render_metrics(self) -> bytes:
         """The Prometheus text exposition of this pipeline's metrics."""
         return self._exporter.render()
+
+    def add_metrics(self, collector: Collector) -> None:
+        """Export ``collector``'s metrics beside the pipeline's (the server adds its connections')."""
+        self._exporter.registry.register(collector)
+
+    def remove_metrics(self, collector: Collector) -> None:
+        self._exporter.registry.unregister(collector)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.lowlevel
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import PipelineConfig
 from pipeline.api import body_pacing
@@ -75,6 +76,26 @@ async def test_a_burst_of_bodies_is_read_one_at_a_time_and_every_request_is_answ
     assert statuses == [400] * 12
     assert bodies.stats.bodies - before[0] == 12 and bodies.stats.waited > before[1]
     assert bodies.stats.most_reading == 1 and bodies.num_reading == 0 and bodies.num_waiting == 0
+
+
+async def test_metrics_show_the_listeners_connections_and_paced_bodies(server: Server) -> None:
+    """/metrics of a served pipeline carries the listener's counters, as its guard and pacer hold them."""
+    with anyio.fail_after(30):
+        await exchange(server.listener.url, request_bytes("POST", "/v1/chat/completions", JSON, large_invalid_body(0)))
+        answer = await exchange(server.listener.url, request_bytes("GET", "/metrics", {}))
+    assert answer.status == 200
+    families = {f.name: f for f in text_string_to_metric_families(answer.body.decode())}
+    value = {(s.name, tuple(s.labels.values())): s.value for f in families.values() for s in f.samples}
+    stats, guard = server.listener.bodies.stats, server.listener.guard
+    assert families["pipeline_http_bodies_paced"].type == "counter"
+    assert value[("pipeline_http_bodies_paced_total", ())] == stats.bodies >= 1
+    assert value[("pipeline_http_bodies_waited_total", ())] == stats.waited
+    assert value[("pipeline_http_body_slots_given_up_total", ())] == stats.slow
+    assert value[("pipeline_http_bodies_reading", ())] == 0  # the scrape has no body
+    assert value[("pipeline_http_connections_total", ("opened",))] == guard.stats.opened >= 2
+    assert value[("pipeline_http_connections_total", ("refused",))] == guard.stats.refused
+    assert value[("pipeline_http_connections_open", ())] >= 1  # the scrape's own connection
+    assert ("pipeline_requests_total", ("refused",)) in value  # beside the pipeline's own
 
 
 async def test_health_is_answered_while_a_body_holds_the_only_slot_and_others_wait(

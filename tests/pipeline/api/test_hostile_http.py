@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import anyio
 import pytest
 from anyio.abc import SocketStream
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import PipelineConfig
 from pipeline.api.connections import ConnectionLimits, raise_fd_limit
@@ -225,3 +226,21 @@ async def test_a_pipelined_request_after_a_response_is_answered(servers: Servers
         )
         data = await until_closed(stream)
     assert data.count(b"HTTP/1.1 200 OK\r\n") == 2
+
+
+async def test_metrics_sum_the_listeners_of_one_pipeline(servers: Servers) -> None:
+    """Two listeners serve one pipeline: each family appears once in its exposition, over both."""
+    with anyio.fail_after(30):
+        answer = await exchange(servers.small.url, request_bytes("GET", "/metrics", {}))
+    assert answer.status == 200
+    text = answer.body.decode()
+    assert text.count("# TYPE pipeline_http_connections_open gauge") == 1
+    samples = {
+        (s.name, tuple(s.labels.values())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    opened = servers.default.guard.stats.opened + servers.small.guard.stats.opened
+    assert samples[("pipeline_http_connections_total", ("opened",))] == opened >= 1
+    paced = servers.default.bodies.stats.bodies + servers.small.bodies.stats.bodies
+    assert samples[("pipeline_http_bodies_paced_total", ())] == paced
