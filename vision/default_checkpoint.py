@@ -11,10 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "DEFAULT_SEED",
+    "EMBEDDED_SHAPE",
+    "PixtralShape",
+    "pixtral_config",
     "ensure_default_checkpoint",
     "tekken_tokenizer_path",
     "write_default_checkpoint",
@@ -34,30 +39,68 @@ def tekken_tokenizer_path() -> str:
     return os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
 
 
-def _model_config():  # type: ignore[no-untyped-def]
+@dataclass(frozen=True, slots=True)
+class PixtralShape:
+    """The sizes of a Llava-layout model: a Pixtral vision tower and a Mistral decoder (tekken vocabulary)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rope_theta: float
+    max_positions: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    image_size: int
+
+
+# the embedded default: 2 layers of width 64 on each side
+EMBEDDED_SHAPE = PixtralShape(
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=192,
+    rope_theta=1_000_000.0,
+    max_positions=32_768,
+    vision_hidden=64,
+    vision_layers=2,
+    vision_heads=4,
+    vision_intermediate=128,
+    image_size=IMAGE_LONGEST_EDGE,
+)
+
+
+def pixtral_config(shape: PixtralShape) -> Any:
+    """The transformers ``LlavaConfig`` of ``shape``."""
     from transformers import LlavaConfig, MistralConfig, PixtralVisionConfig
 
     vision = PixtralVisionConfig(  # type: ignore[call-arg]
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=16,
+        hidden_size=shape.vision_hidden,
+        intermediate_size=shape.vision_intermediate,
+        num_hidden_layers=shape.vision_layers,
+        num_attention_heads=shape.vision_heads,
+        head_dim=shape.vision_hidden // shape.vision_heads,
         num_channels=3,
-        image_size=IMAGE_LONGEST_EDGE,
+        image_size=shape.image_size,
         patch_size=PATCH_SIZE,
         rope_theta=10_000.0,
     )
     text = MistralConfig(  # type: ignore[call-arg]
         vocab_size=131_072,
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32_768,
-        rope_theta=1_000_000.0,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions,
+        rope_theta=shape.rope_theta,
         rms_norm_eps=1e-5,
         sliding_window=None,
         tie_word_embeddings=False,
@@ -83,7 +126,7 @@ def write_default_checkpoint(folder: Path, *, seed: int = DEFAULT_SEED) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(_model_config()).eval()
+    model = LlavaForConditionalGeneration(pixtral_config(EMBEDDED_SHAPE)).eval()
     model.save_pretrained(folder, safe_serialization=True)
     write_pixtral_preprocessing(folder, longest_edge=IMAGE_LONGEST_EDGE, patch_size=PATCH_SIZE)
     (folder / "EMBEDDED_DEFAULT").write_text(f"seed={seed} format={_FORMAT_VERSION}\n")

@@ -14,15 +14,18 @@ from pipeline.core.engine_factory import build_llm_engine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
-from vision.sized_checkpoint import Preset, sized_config, write_sized_checkpoint
+from vision.default_checkpoint import PixtralShape
+from vision.sized_checkpoint import sized_config, write_sized_checkpoint
 
-SHRUNK = Preset(
+SHRUNK = PixtralShape(
     hidden=128,
     layers=2,
     heads=4,
     kv_heads=2,
+    head_dim=128,
     intermediate=256,
     rope_theta=1e6,
+    max_positions=4096,
     vision_hidden=64,
     vision_layers=1,
     vision_heads=4,
