@@ -131,15 +131,15 @@ STACKED_PROJECTIONS = {
 }
 
 
-def stack_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's per-projection weights (Hugging Face names) stacked into the fused ones."""
-    weights = dict(weights)
+def stack_projections(weights: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Replace, in ``weights``, the checkpoint's per-projection weights (Hugging Face names) by the fused
+    ones. In place: each layer's parts are dropped as its stack is made, so a 7B model's host memory
+    holds one extra layer's projections at a time, not a second copy of them all."""
     for i in range(num_layers):
         for fused, parts in STACKED_PROJECTIONS.items():
             names = [f"layers.{i}.{part}.weight" for part in parts]
             if all(name in weights for name in names):
                 weights[f"layers.{i}.{fused}.weight"] = torch.cat([weights.pop(name) for name in names])
-    return weights
 
 
 class MistralLM(nn.Module):

@@ -48,7 +48,7 @@ class ModelRunner(PagedRunner):
             weights["lm_head.weight"] = head["weight"]
         elif self.lm_config.tie_word_embeddings:
             weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        weights = stack_projections(weights, self.lm_config.num_layers)
+        stack_projections(weights, self.lm_config.num_layers)
         missing, unexpected = self.model.load_state_dict(weights, strict=False, assign=True)
         unexpected = [u for u in unexpected if "rotary_emb" not in u]
         if missing or unexpected:

@@ -24,53 +24,73 @@ __all__ = ["HttpCollector", "exported"]
 _COLLECTORS: weakref.WeakKeyDictionary[Pipeline, HttpCollector] = weakref.WeakKeyDictionary()
 
 
+_Read = Callable[[ConnectionGuard, BodyPacer], int]
+
+# the counters, by name: a listener that leaves keeps its counts in the sums (a counter never goes down)
+_COUNTERS: dict[str, _Read] = {
+    "opened": lambda g, _: g.stats.opened,
+    "refused": lambda g, _: g.stats.refused,
+    "evicted": lambda g, _: g.stats.evicted,
+    "header_timeout": lambda g, _: g.stats.header_timeouts,
+    "reserve_refusals": lambda g, _: g.stats.reserve_refusals,
+    "paced": lambda _, b: b.stats.bodies,
+    "waited": lambda _, b: b.stats.waited,
+    "given_up": lambda _, b: b.stats.slow,
+}
+
+
 class HttpCollector(Collector):
     """Yields the metrics of a pipeline's listeners at scrape time."""
 
     def __init__(self) -> None:
         self.listeners: list[tuple[ConnectionGuard, BodyPacer]] = []
+        self.retired = dict.fromkeys(_COUNTERS, 0)  # the counts of listeners that have left
 
-    def _total(self, read: Callable[[ConnectionGuard, BodyPacer], int]) -> int:
+    def retire(self, listener: tuple[ConnectionGuard, BodyPacer]) -> None:
+        self.listeners.remove(listener)
+        for name, read in _COUNTERS.items():
+            self.retired[name] += read(*listener)
+
+    def _gauge(self, read: _Read) -> int:
         return sum(read(guard, bodies) for guard, bodies in self.listeners)
 
+    def _count(self, name: str) -> int:
+        return self.retired[name] + self._gauge(_COUNTERS[name])
+
     def collect(self) -> Iterator[Metric]:
-        total = self._total
-        yield GaugeMetricFamily("pipeline_http_connections_open", "connections open", total(lambda g, _: g.num_open))
+        count = self._count
+        yield GaugeMetricFamily(
+            "pipeline_http_connections_open", "connections open", self._gauge(lambda g, _: g.num_open)
+        )
         connections = CounterMetricFamily(
             "pipeline_http_connections",
             "connections: opened, refused at the cap, evicted, head timed out",
             labels=["outcome"],
         )
-        connections.add_metric(["opened"], total(lambda g, _: g.stats.opened))
-        connections.add_metric(["refused"], total(lambda g, _: g.stats.refused))
-        connections.add_metric(["evicted"], total(lambda g, _: g.stats.evicted))
-        connections.add_metric(["header_timeout"], total(lambda g, _: g.stats.header_timeouts))
+        for outcome in ("opened", "refused", "evicted", "header_timeout"):
+            connections.add_metric([outcome], count(outcome))
         yield connections
         yield CounterMetricFamily(
             "pipeline_http_reserve_refusals",
             "requests on a reserve connection for another path than /health",
-            total(lambda g, _: g.stats.reserve_refusals),
+            count("reserve_refusals"),
         )
         yield GaugeMetricFamily(
-            "pipeline_http_bodies_reading", "request bodies being read", total(lambda _, b: b.num_reading)
+            "pipeline_http_bodies_reading", "request bodies being read", self._gauge(lambda _, b: b.num_reading)
         )
         yield GaugeMetricFamily(
             "pipeline_http_bodies_waiting",
             "request bodies waiting for a slot to be read",
-            total(lambda _, b: b.num_waiting),
+            self._gauge(lambda _, b: b.num_waiting),
         )
+        yield CounterMetricFamily("pipeline_http_bodies_paced", "request bodies read under a slot", count("paced"))
         yield CounterMetricFamily(
-            "pipeline_http_bodies_paced", "request bodies read under a slot", total(lambda _, b: b.stats.bodies)
-        )
-        yield CounterMetricFamily(
-            "pipeline_http_bodies_waited",
-            "request bodies that waited for their slot",
-            total(lambda _, b: b.stats.waited),
+            "pipeline_http_bodies_waited", "request bodies that had to wait for a slot (read or not)", count("waited")
         )
         yield CounterMetricFamily(
             "pipeline_http_body_slots_given_up",
             "slots given up by bodies that arrived slower than the minimum rate",
-            total(lambda _, b: b.stats.slow),
+            count("given_up"),
         )
 
 
@@ -86,7 +106,7 @@ def exported(pipe: Pipeline, guard: ConnectionGuard, bodies: BodyPacer) -> Itera
     try:
         yield
     finally:
-        collector.listeners.remove(listener)
+        collector.retire(listener)
         if not collector.listeners:
             pipe.remove_metrics(collector)
             del _COLLECTORS[pipe]

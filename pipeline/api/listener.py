@@ -221,9 +221,9 @@ async def listen(
     pipe = app.get(PIPELINE_KEY)
     # /metrics shows the listener's connections and bodies beside the pipeline's
     metrics = exported(pipe, guard, bodies) if pipe is not None else nullcontext()
-    try:
-        with metrics:
+    with metrics:  # around the close too: connections drained at the end are counted
+        try:
             yield Listener(f"http://{shown}:{bound}", bound, guard, bodies)
-    finally:
-        server.close()
-        await runner.cleanup()
+        finally:
+            server.close()
+            await runner.cleanup()
