@@ -45,3 +45,10 @@ def test_ahead_runs_and_refuses_too_few_steps_for_its_batch(capsys: pytest.Captu
     assert '"scenario": "ahead"' in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="no two full-batch steps in a row at batch 8"):
         main(["bench", "ahead", "--batches", "8", "--steps", "3", "--pairs", "1", "--device", "cpu"])
+
+
+def test_the_checkpoint_command_lists_its_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["checkpoint", "--help"])
+    assert info.value.code == 0
+    assert "pixtral-7b" in capsys.readouterr().out
