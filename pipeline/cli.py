@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -164,6 +166,21 @@ def _default(name: str) -> object:
     return next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == name)
 
 
+def _write_checkpoint(args: argparse.Namespace) -> int:
+    """``checkpoint``: a preset's random-weight checkpoint, in bf16 (the dtype the engine runs on a GPU)."""
+    import torch
+
+    from vision.default_checkpoint import write_pixtral_checkpoint
+
+    started = time.perf_counter()
+    from vision.sized_checkpoint import PRESETS
+
+    shape = PRESETS[args.preset]
+    count = write_pixtral_checkpoint(Path(args.folder), shape, seed=args.seed, device=args.device, dtype=torch.bfloat16)
+    print(f"{args.folder}: {args.preset}, {count / 1e9:.2f}B parameters, {time.perf_counter() - started:.0f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.api.connections import ConnectionLimits
 
@@ -297,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks: python -m pipeline bench SCENARIO --help")
     c = sub.add_parser("checkpoint", help="write a random-weight checkpoint of a released model's shape")
     c.add_argument("folder")
-    c.add_argument("--preset", default="pixtral-7b", choices=["pixtral-7b", "pixtral-12b"])
+    from vision.sized_checkpoint import PRESETS
+
+    c.add_argument("--preset", default="pixtral-7b", choices=sorted(PRESETS))
     c.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: seconds, cpu: minutes)")
     c.add_argument("--seed", type=int, default=0)
     from pipeline.bench import add_bench_arguments, run_bench
@@ -319,7 +338,5 @@ def main(argv: list[str] | None = None) -> int:
         _exit_without_waiting_for_threads()
         return 0
     if args.command == "checkpoint":
-        from vision.sized_checkpoint import run as write_checkpoint
-
-        return write_checkpoint(args)
+        return _write_checkpoint(args)
     return run_bench(args)

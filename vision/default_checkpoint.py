@@ -23,7 +23,7 @@ __all__ = [
     "ensure_default_checkpoint",
     "tekken_tokenizer_path",
     "write_default_checkpoint",
-    "write_pixtral_preprocessing",
+    "write_pixtral_checkpoint",
 ]
 
 DEFAULT_SEED = 1234
@@ -121,28 +121,42 @@ def pixtral_config(shape: PixtralShape) -> Any:
 
 def write_default_checkpoint(folder: Path, *, seed: int = DEFAULT_SEED) -> None:
     """Write config, safetensors weights, tokenizer and image processor files into ``folder``."""
-    import torch
-    from transformers import LlavaForConditionalGeneration
-
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(pixtral_config(EMBEDDED_SHAPE)).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    write_pixtral_preprocessing(folder, longest_edge=IMAGE_LONGEST_EDGE, patch_size=PATCH_SIZE)
+    write_pixtral_checkpoint(folder, EMBEDDED_SHAPE, seed=seed)
     (folder / "EMBEDDED_DEFAULT").write_text(f"seed={seed} format={_FORMAT_VERSION}\n")
 
 
-def write_pixtral_preprocessing(folder: Path, *, longest_edge: int, patch_size: int) -> None:
-    """The tekken tokenizer (converted) and a Pixtral image processor, written into ``folder``."""
-    from transformers import PixtralImageProcessor
+def write_pixtral_checkpoint(
+    folder: Path, shape: PixtralShape, *, seed: int, device: str = "cpu", dtype: Any = None
+) -> int:
+    """Write a Llava checkpoint of ``shape`` with seeded random weights (the tekken tokenizer, a
+    Pixtral image processor) into ``folder``; its parameter count.
+
+    ``dtype`` (a torch dtype; None: fp32) is the one the weights are drawn and written in; ``device``
+    where they are drawn (a GPU draws 8B parameters in a second, the CPU takes minutes).
+    """
+    import torch
+    from transformers import LlavaForConditionalGeneration, PixtralImageProcessor
     from transformers.integrations.mistral import convert_tekken_tokenizer
 
-    tokenizer = convert_tekken_tokenizer(tekken_tokenizer_path())
-    tokenizer.save_pretrained(folder)
+    config = pixtral_config(shape)
+    default_dtype = torch.get_default_dtype()
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+        torch.set_default_dtype(dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = LlavaForConditionalGeneration(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="5GB")
+    convert_tekken_tokenizer(tekken_tokenizer_path()).save_pretrained(folder)
     processor = PixtralImageProcessor(
-        size={"longest_edge": longest_edge}, patch_size={"height": patch_size, "width": patch_size}
+        size={"longest_edge": shape.image_size}, patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE}
     )
     processor.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
 
 
 def ensure_default_checkpoint(cache_dir: Path, *, seed: int = DEFAULT_SEED) -> Path:

@@ -14,8 +14,8 @@ from pipeline.core.engine_factory import build_llm_engine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
-from vision.default_checkpoint import PixtralShape
-from vision.sized_checkpoint import sized_config, write_sized_checkpoint
+from vision.default_checkpoint import PixtralShape, pixtral_config, write_pixtral_checkpoint
+from vision.sized_checkpoint import PRESETS
 
 SHRUNK = PixtralShape(
     hidden=128,
@@ -37,13 +37,13 @@ SHRUNK = PixtralShape(
 @pytest.mark.parametrize(("name", "count"), [("pixtral-7b", 8_477_799_424), ("pixtral-12b", 12_682_739_712)])
 def test_presets_have_their_released_sizes(name: str, count: int) -> None:
     with torch.device("meta"):  # shapes only: nothing allocated
-        model = LlavaForConditionalGeneration(sized_config(name))
+        model = LlavaForConditionalGeneration(pixtral_config(PRESETS[name]))
     assert sum(p.numel() for p in model.parameters()) == count
 
 
 def test_a_written_checkpoint_is_served(tmp_path: Path) -> None:
     folder = tmp_path / "shrunk"
-    count = write_sized_checkpoint(folder, SHRUNK, seed=3)
+    count = write_pixtral_checkpoint(folder, SHRUNK, seed=3, dtype=torch.bfloat16)
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["text_config"]["hidden_size"] == 128
     checkpoint = open_checkpoint(str(folder), tmp_path / "cache")
