@@ -17,7 +17,7 @@ from torch import nn
 
 from sampling.paged_attention import AttentionBatch, attend_tokens
 
-__all__ = ["STACKED_PROJECTIONS", "AttentionBatch", "LMConfig", "MistralLM", "stack_projections"]
+__all__ = ["AttentionBatch", "LMConfig", "MistralLM", "stack_projections"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,7 @@ class _Layer(nn.Module):
 
 
 # the fused projections and the checkpoint's weights they stack, in order
-STACKED_PROJECTIONS = {
+_STACKED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
@@ -136,7 +136,7 @@ def stack_projections(weights: dict[str, torch.Tensor], num_layers: int) -> None
     ones. In place: each layer's parts are dropped as its stack is made, so a 7B model's host memory
     holds one extra layer's projections at a time, not a second copy of them all."""
     for i in range(num_layers):
-        for fused, parts in STACKED_PROJECTIONS.items():
+        for fused, parts in _STACKED_PROJECTIONS.items():
             names = [f"layers.{i}.{part}.weight" for part in parts]
             if all(name in weights for name in names):
                 weights[f"layers.{i}.{fused}.weight"] = torch.cat([weights.pop(name) for name in names])

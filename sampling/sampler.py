@@ -53,14 +53,14 @@ def sample(
 ) -> torch.Tensor:
     """One token id per row, ``[B]`` int64 on the logits' device; ``greedy`` may bring the rows'
     argmax when the caller already has it."""
-    if greedy is None:
-        if not any(p.is_greedy for p in params):  # every row samples: no argmax over the vocabulary
-            greedy = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        else:
-            greedy = greedy_ids(logits)
     if all(p.is_greedy for p in params):
-        return greedy
-    out = greedy.clone()
+        return greedy if greedy is not None else greedy_ids(logits)
+    if greedy is not None:
+        out = greedy.clone()
+    elif any(p.is_greedy for p in params):
+        out = greedy_ids(logits)
+    else:  # every row is drawn below: no argmax over the vocabulary
+        out = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.is_greedy:
             continue

@@ -51,16 +51,17 @@ class HttpCollector(Collector):
         for name, read in _COUNTERS.items():
             self.retired[name] += read(*listener)
 
-    def _gauge(self, read: _Read) -> int:
+    def _live(self, read: _Read) -> int:
+        """The sum over the listeners still open."""
         return sum(read(guard, bodies) for guard, bodies in self.listeners)
 
     def _count(self, name: str) -> int:
-        return self.retired[name] + self._gauge(_COUNTERS[name])
+        return self.retired[name] + self._live(_COUNTERS[name])
 
     def collect(self) -> Iterator[Metric]:
         count = self._count
         yield GaugeMetricFamily(
-            "pipeline_http_connections_open", "connections open", self._gauge(lambda g, _: g.num_open)
+            "pipeline_http_connections_open", "connections open", self._live(lambda g, _: g.num_open)
         )
         connections = CounterMetricFamily(
             "pipeline_http_connections",
@@ -76,12 +77,12 @@ class HttpCollector(Collector):
             count("reserve_refusals"),
         )
         yield GaugeMetricFamily(
-            "pipeline_http_bodies_reading", "request bodies being read", self._gauge(lambda _, b: b.num_reading)
+            "pipeline_http_bodies_reading", "request bodies being read", self._live(lambda _, b: b.num_reading)
         )
         yield GaugeMetricFamily(
             "pipeline_http_bodies_waiting",
             "request bodies waiting for a slot to be read",
-            self._gauge(lambda _, b: b.num_waiting),
+            self._live(lambda _, b: b.num_waiting),
         )
         yield CounterMetricFamily("pipeline_http_bodies_paced", "request bodies read under a slot", count("paced"))
         yield CounterMetricFamily(

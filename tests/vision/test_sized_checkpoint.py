@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,23 +15,12 @@ from pipeline.core.engine_factory import build_llm_engine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
-from vision.default_checkpoint import PixtralShape, pixtral_config, write_pixtral_checkpoint
+from vision.default_checkpoint import EMBEDDED_SHAPE, pixtral_config, write_pixtral_checkpoint
 from vision.sized_checkpoint import PRESETS
 
-SHRUNK = PixtralShape(
-    hidden=128,
-    layers=2,
-    heads=4,
-    kv_heads=2,
-    head_dim=128,
-    intermediate=256,
-    rope_theta=1e6,
-    max_positions=4096,
-    vision_hidden=64,
-    vision_layers=1,
-    vision_heads=4,
-    vision_intermediate=128,
-    image_size=256,
+# the embedded shape with a wider decoder (head_dim 128, as the presets have), a shorter tower
+SHRUNK = dataclasses.replace(
+    EMBEDDED_SHAPE, hidden=128, head_dim=128, intermediate=256, max_positions=4096, vision_layers=1, image_size=256
 )
 
 
