@@ -81,8 +81,17 @@ class PipelineConfig:
     # 2 cores: decode TPOT during an image burst x1.17 with 1, x2.1-2.4 with 2); where the engine runs
     # on a GPU, 2 raises preparation throughput (prep bench: 53 -> 63 req/s for base64 images).
     vision_encode_threads: int = 1
+    # Where the vision encoder runs. "preparation": in the preparation stages (in the preparation
+    # workers on a CPU, on the device in this process on a GPU). "engine": in the engine process,
+    # beside the decoder on its device, with the embeddings cache there too: preparation sends pixels,
+    # and no CUDA context or encoder weights stay in the serving process (engine_mode "process" only).
+    # "auto": "engine" where the engine process runs on a GPU, else "preparation" (on the CPU the
+    # workers' low-priority encodes keep the engine's core free).
+    vision_encoder_placement: str = "auto"
 
     # Vision embeddings kept by image content (stages/encoder_cache.py), least recently used out; 0: off.
+    # With the encoder in the engine process the embeddings are kept there, within this bound, and
+    # the serving process keeps the images' pixels within it too (a hit skips decode and processor).
     encoder_cache_bytes: int = 256 * 1024 * 1024
 
     # -- grammar --
@@ -241,6 +250,13 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.engine_process_nice must be in -20..19, got {self.engine_process_nice}")
         if self.engine_mode not in ("thread", "process"):
             raise ValueError(f"PipelineConfig.engine_mode must be thread or process, got {self.engine_mode!r}")
+        if self.vision_encoder_placement not in ("auto", "preparation", "engine"):
+            raise ValueError(
+                "PipelineConfig.vision_encoder_placement must be auto, preparation or engine, "
+                f"got {self.vision_encoder_placement!r}"
+            )
+        if self.vision_encoder_placement == "engine" and self.engine_mode != "process":
+            raise ValueError('PipelineConfig.vision_encoder_placement "engine" needs engine_mode "process"')
         if self.prep_workers < 0 or not 0 <= self.prep_worker_nice <= 19:
             raise ValueError("PipelineConfig.prep_workers must be >= 0 and prep_worker_nice in 0..19")
         if self.answer_resample_attempts < 0:
@@ -268,6 +284,12 @@ class PipelineConfig:
     def num_prep_workers(self) -> int:
         """The preparation pool's size (``prep_workers``, or from the core count)."""
         return self.prep_workers or max(2, min(8, (os.cpu_count() or 2) // 2))
+
+    def encoder_in_engine(self) -> bool:
+        """Whether the vision encoder runs in the engine process (``vision_encoder_placement``)."""
+        if self.vision_encoder_placement == "auto":
+            return self.engine_mode == "process" and self.resolved_device().startswith("cuda")
+        return self.vision_encoder_placement == "engine"
 
     def resolved_device(self) -> str:
         """The torch device string this config runs on."""

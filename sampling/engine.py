@@ -99,7 +99,12 @@ class LLMEngine:
         return self.parts.timeline
 
     def add(self, inp: EngineInput) -> None:
-        """Queue a request; its ``n`` sequences share one prefill."""
+        """Queue a request; its ``n`` sequences share one prefill.
+
+        :raises ValueError: its images are pixels still (this engine encodes none: the engine process's
+            ``EngineImages`` turns them into embeddings first)."""
+        if inp.image_pixels:
+            raise ValueError(f"request {inp.request_id}: its images are not encoded (no vision encoder here)")
         self.requests.add(inp)
 
     def abort(self, request_id: str) -> None:

@@ -54,9 +54,20 @@ class EngineInput:
     # per-token prefill inputs beside the embeddings, one row per image token like ``image_embeds``
     # (the registry's ``extra_prefill_inputs``: Qwen3-VL's ``deepstack_visual_embeds`` [rows, layers, hidden])
     extra_prefill: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the vision encoder in the engine process: each image's pixels (``PreparedImage.pixel_values``),
+    # one per image key, for that process to encode; None where it holds the image's embeddings (it
+    # then fills ``image_embeds`` and ``extra_prefill`` in). Empty: the embeddings are in ``image_embeds``.
+    image_pixels: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         num_image_tokens = sum(1 for t in self.prompt_token_ids if t == self.image_token_id)
+        if self.image_pixels:
+            if self.image_embeds is not None or len(self.image_pixels) != len(self.image_keys):
+                raise ValueError("image pixels go one per image key, and never beside image embeddings")
+            rows = sum(k.num_tokens for k in self.image_keys)
+            if rows != num_image_tokens:
+                raise ValueError(f"{num_image_tokens} image tokens in the prompt but {rows} image rows")
+            return
         rows = 0 if self.image_embeds is None else int(self.image_embeds.shape[0])
         if rows != num_image_tokens:
             raise ValueError(f"{num_image_tokens} image tokens in the prompt but {rows} embedding rows")

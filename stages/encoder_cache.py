@@ -10,13 +10,16 @@ or is cancelled abandons its flight, and one of the waiters takes it over (no wa
 owner's error or cancellation). Callers claim several images in sorted hash order, one at a time, so
 two requests that share two images never wait on each other in a cycle.
 
-It lives in the serving process, next to the engine that consumes the embeddings (there are no
-preparation worker processes yet): a hit hands the tensor over without a copy between processes.
+It lives in the serving process, where requests are prepared. With the vision encoder in the engine
+process (``vision_encoder_placement``) the same cache keeps each image's pixels instead (a
+``PreparedImage``): a hit skips decode and the image processor, and the embeddings are kept beside
+the engine (pipeline/core/engine_images.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import anyio
 import torch
@@ -24,6 +27,14 @@ import torch
 from stages.lru import Lru
 
 __all__ = ["CacheStats", "EncodedImage", "EncoderCache", "Flight"]
+
+
+class _Weighed(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+V = TypeVar("V", bound=_Weighed)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -57,23 +68,25 @@ class CacheStats:
 
 
 @dataclass(eq=False)
-class Flight:
+class Flight(Generic[V]):
     """One encode in progress; its owner ends it with ``EncoderCache.fulfil`` or ``abandon``."""
 
     content_hash: str
     done: anyio.Event = field(default_factory=anyio.Event)
-    value: EncodedImage | None = None
+    value: V | None = None
 
 
-class EncoderCache:
-    """Event-loop only (no lock): every call is bookkeeping, the encode itself happens elsewhere."""
+class EncoderCache(Generic[V]):
+    """Event-loop only (no lock): every call is bookkeeping, the encode itself happens elsewhere.
+
+    ``V``: what an image is kept as, ``EncodedImage`` (or its pixels, a ``PreparedImage``)."""
 
     def __init__(self, max_bytes: int, namespace: str) -> None:
         self.max_bytes = max_bytes
         self.namespace = namespace  # model and processor settings
         self.stats = CacheStats(bytes_bound=max_bytes)
-        self._entries: Lru[str, EncodedImage] = Lru(max_bytes, lambda image: image.nbytes)
-        self._flights: dict[str, Flight] = {}
+        self._entries: Lru[str, V] = Lru(max_bytes, lambda image: image.nbytes)
+        self._flights: dict[str, Flight[V]] = {}
 
     def _key(self, content_hash: str) -> str:
         return f"{self.namespace}:{content_hash}"
@@ -86,7 +99,7 @@ class EncoderCache:
         """Whether the embeddings of ``content_hash`` are cached now (a hint: nothing is claimed)."""
         return self._key(content_hash) in self._entries
 
-    async def claim(self, content_hash: str) -> EncodedImage | Flight:
+    async def claim(self, content_hash: str) -> V | Flight[V]:
         """The cached image (a hit, possibly after waiting for another request's encode), or a
         ``Flight`` the caller now owns and must fulfil or abandon (a miss)."""
         key = self._key(content_hash)
@@ -97,7 +110,7 @@ class EncoderCache:
                 return entry
             flight = self._flights.get(key)
             if flight is None:
-                flight = self._flights[key] = Flight(content_hash)
+                flight = self._flights[key] = Flight[V](content_hash)
                 self.stats.misses += 1
                 return flight
             await flight.done.wait()
@@ -106,7 +119,7 @@ class EncoderCache:
                 return flight.value
             # abandoned: look again, and perhaps own it now
 
-    def fulfil(self, flight: Flight, value: EncodedImage) -> None:
+    def fulfil(self, flight: Flight[V], value: V) -> None:
         """Keep ``value`` (when it fits the bound) and wake the flight's waiters."""
         key = self._key(flight.content_hash)
         if self._flights.get(key) is flight:
@@ -118,7 +131,7 @@ class EncoderCache:
             self.stats.bytes_held = self._entries.weight
             self.stats.entries = len(self._entries)
 
-    def abandon(self, flight: Flight) -> None:
+    def abandon(self, flight: Flight[V]) -> None:
         """The owner gives up (failed or cancelled): a waiter takes over. A no-op once fulfilled."""
         key = self._key(flight.content_hash)
         if self._flights.get(key) is flight:

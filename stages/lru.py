@@ -24,10 +24,13 @@ def _one(value: object) -> int:
 class Lru(Generic[K, V]):
     """Values by key within ``max_weight`` (the sum of ``weight(value)``); not thread-safe."""
 
-    def __init__(self, max_weight: int, weight: Callable[[V], int] = _one) -> None:
+    def __init__(
+        self, max_weight: int, weight: Callable[[V], int] = _one, on_evict: Callable[[K], None] | None = None
+    ) -> None:
         self.max_weight = max_weight
         self.weight = 0  # of the values held
         self._weigh = weight
+        self._on_evict = on_evict  # told each key ``put`` evicts (a mirror of the cache drops it too)
         self._entries: OrderedDict[K, V] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -58,7 +61,9 @@ class Lru(Generic[K, V]):
         self.weight += self._weigh(value)
         evicted = 0
         while self.weight > self.max_weight:
-            _, gone = self._entries.popitem(last=False)
+            key_gone, gone = self._entries.popitem(last=False)
             self.weight -= self._weigh(gone)
             evicted += 1
+            if self._on_evict is not None:
+                self._on_evict(key_gone)
         return evicted

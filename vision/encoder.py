@@ -19,7 +19,7 @@ from torch import nn
 from vision.checkpoint import Checkpoint
 from vision.preprocess import PreparedImage
 
-__all__ = ["VisionEncoder", "split_deepstack"]
+__all__ = ["VisionEncoder", "embedding_row_bytes", "encoder_dtype", "split_deepstack"]
 
 # vision towers that take flattened patches and their grid (vision/grid_images.py)
 _GRID_TOWERS = ("qwen2_5_vl_vision", "qwen3_vl_vision")
@@ -33,6 +33,21 @@ def split_deepstack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torc
     return rows[:, :hidden], rows[:, hidden:].reshape(rows.shape[0], -1, hidden)
 
 
+def encoder_dtype(device: torch.device) -> torch.dtype:
+    """The encoder's dtype on ``device``: bf16 on a GPU, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def embedding_row_bytes(checkpoint: Checkpoint, device: str) -> int:
+    """Bytes of one image token's row as ``VisionEncoder.encode`` gives it on ``device``: the text
+    model's hidden size, once more per DeepStack layer (Qwen3-VL), in the encoder's dtype (what an
+    image's embeddings weigh in a cache before any is encoded)."""
+    vision = checkpoint.vision_config
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ()) if vision is not None else 0
+    itemsize = torch.empty((), dtype=encoder_dtype(torch.device(device))).element_size()
+    return int(checkpoint.text_config.hidden_size) * (1 + deepstack) * itemsize
+
+
 class VisionEncoder:
     """Encodes a batch of prepared images into one embedding row per ``[IMG]`` token."""
 
@@ -44,7 +59,7 @@ class VisionEncoder:
         if checkpoint.vision_config is None:
             raise ValueError(f"{checkpoint.path} has no vision_config: not a vision-language checkpoint")
         self.device = torch.device(device)
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = dtype or encoder_dtype(self.device)
         self.text_hidden_size = int(checkpoint.text_config.hidden_size)
         self.model: Any = None
         self.takes_sizes = checkpoint.vision_config.model_type == "pixtral"

@@ -57,6 +57,11 @@ class PreparedImage:
         t, h, w = self.grid_thw
         return t * h * w
 
+    @property
+    def nbytes(self) -> int:
+        """What it holds in memory: its pixels and its embeddings (the encoder cache's weight)."""
+        return sum(t.numel() * t.element_size() for t in (self.pixel_values, self.embeds) if t is not None)
+
 
 @dataclass(frozen=True, slots=True)
 class ImageTokenIds:

@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from pipeline.core.engine_images import ImageIndex
 from pipeline.core.engine_link import EngineLink
 from pipeline.core.engine_process import EngineProcessSpec
 from pipeline.core.engine_supervisor import EngineSupervisor
@@ -68,6 +69,7 @@ class ProcessEngine(EngineSupervisor):
         token_table: Callable[[], list[bytes]],
         arena_bytes: int = ARENA_BYTES,
         tracer: Tracer | None = None,
+        images: ImageIndex | None = None,
     ) -> None:
         super().__init__(
             spec,
@@ -87,6 +89,13 @@ class ProcessEngine(EngineSupervisor):
         # adds with tensors: through the arena, and inline (they did not fit it, or it is off)
         self.num_arena_adds = self.num_inline_adds = 0
         self._prefix: dict[str, int] | None = None
+        # the vision encoder in the engine process: which images it holds (None: it encodes none)
+        self.images = images
+
+    async def _launch(self) -> None:
+        if self.images is not None:
+            self.images.reset()  # a new engine process holds no image
+        await super()._launch()
 
     @property
     def token_table(self) -> list[bytes]:
@@ -126,11 +135,16 @@ class ProcessEngine(EngineSupervisor):
         assert link is not None
         if not self._has_room():
             raise EngineQueueFull("the decode engine's queue is full")
-        add = encode_input(inp, self._arena)
+        plan = None
+        if inp.image_pixels:
+            if self.images is None:
+                raise ValueError("image pixels sent to an engine process that does not encode images")
+            plan = self.images.plan(inp.image_keys)  # from here the index counts this add as read
+        add = encode_input(inp, self._arena, plan)
         if add.shared is not None and self._arena is not None:
             self._arena.hold_until(self._num_sent + 1)  # freed once the engine has read this add
             self.num_arena_adds += 1
-        elif inp.image_embeds is not None:
+        elif add.embeds is not None or any(add.pixels):
             self.num_inline_adds += 1
         command = ("add", add)
         if not self._owes_work():

@@ -7,6 +7,7 @@ from typing import cast
 
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_client import ProcessEngine
+from pipeline.core.engine_images import ImageIndex
 from pipeline.core.engine_process import EngineProcessSpec, SpanBuffer
 from pipeline.errors import PromptTooLong
 from pipeline.observability.trace import Tracer
@@ -18,6 +19,7 @@ from sampling.kv_cache import blocks_needed
 from sampling.model_runner import ModelRunner
 from sampling.paged_runner import PagedRunner
 from vision.checkpoint import Checkpoint
+from vision.encoder import embedding_row_bytes
 
 __all__ = ["Engine", "build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
 
@@ -109,7 +111,9 @@ def build_engine(
     """The decode engine of ``checkpoint``, sized by ``config``: on its own thread, or (``engine_mode``
     "process") the client of an engine process that ``start()`` starts (the model loads there)."""
     if config.engine_mode == "process":
-        spec = EngineProcessSpec(config, str(checkpoint.path), device, trace=tracer is not None)
+        encodes = config.encoder_in_engine() and checkpoint.vision_config is not None
+        spec = EngineProcessSpec(config, str(checkpoint.path), device, trace=tracer is not None, encodes=encodes)
+        row_bytes = embedding_row_bytes(checkpoint, device)
         return ProcessEngine(
             spec,
             queue_size=config.engine_queue_size,
@@ -120,6 +124,7 @@ def build_engine(
                 lambda: TokenBytes.from_tokenizer(checkpoint.tokenizer_info, checkpoint.tokenizer).table
             ),
             tracer=tracer,
+            images=ImageIndex(config.encoder_cache_bytes, row_bytes) if encodes else None,
         )
     engine = build_llm_engine(checkpoint, config, device=device, tracer=tracer)
     return AsyncEngine(engine, queue_size=config.engine_queue_size)

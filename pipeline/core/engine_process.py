@@ -10,7 +10,8 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
                                         ◀──  Ready(pid)   (or Fatal(message), then exit)
     ("grammar", token, spec) ────────────▶ ◀── GrammarVerdict(token, backend or error)   (at admission:
                                              the compile overlaps preparation; ``engine_grammars``)
-    ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, find its grammar
+    ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, encode its images
+                                             (the vision encoder here: engine_images), find its grammar
                                              (compiled, or compiling: then add once it has, or at
                                              once when sent before its verdict), then add
     ("abort", request id) ───────────────▶   freed before the next step
@@ -48,6 +49,7 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_arena import EngineArena
 from pipeline.core.engine_grammars import EngineGrammars
+from pipeline.core.engine_images import EngineImages, ImagePlan
 from pipeline.core.engine_wire import (
     ENCODER,
     Alive,
@@ -67,6 +69,7 @@ from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import steps_since
 from vision.checkpoint import Checkpoint
 from vision.child_process import die_with_parent
+from vision.encoder import VisionEncoder
 from vision.heap import freeze_heap
 
 __all__ = ["EngineProcessSpec", "SpanBuffer", "figures", "main"]
@@ -89,6 +92,7 @@ class EngineProcessSpec:
     checkpoint_path: str
     device: str
     trace: bool = False  # trace the engine's steps (the serving process's tracer records them)
+    encodes: bool = False  # the vision encoder runs here (pipeline/core/engine_images.py)
 
 
 class SpanBuffer:
@@ -133,8 +137,10 @@ class EngineServer:
         checkpoint: Checkpoint,
         arena: EngineArena | None = None,
         spans: SpanBuffer | None = None,
+        images: EngineImages | None = None,
     ):
         self.sock = sock
+        self.images = images  # the vision encoder, where it runs here
         self.arena = arena
         self.engine = engine
         self.spans = spans
@@ -143,6 +149,7 @@ class EngineServer:
         self._send_lock = threading.Lock()  # verdicts are sent from the grammar stage's thread
         self.grammars = EngineGrammars(spec.config, checkpoint, send=self.send, on_done=self._wake)
         self._waiting: dict[str, _Waiting] = {}
+        self._failed: list[SeqOutput] = []  # adds that failed as they were read (their images did not encode)
         self._num_read = 0
         self._num_acked = 0  # the count of commands read that the serving process was last told
         self._sent_at = time.monotonic()
@@ -161,6 +168,8 @@ class EngineServer:
     def _figures(self) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
         stats, held, prefix = figures(self.engine)
         held["engine_requests"] += len(self._waiting)
+        if self.images is not None:
+            held["images_held"] = len(self.images.held)
         return stats, held, prefix
 
     def serve(self) -> None:
@@ -172,7 +181,7 @@ class EngineServer:
             timeout = 0.0 if busy else (max(0.0, self._sent_at + ALIVE_EVERY_S - time.monotonic()) if owes else None)
             if not self._read(timeout):
                 return
-            outputs = self._admit_compiled()
+            outputs, self._failed = self._failed + self._admit_compiled(), []
             if engine.has_work():
                 outputs += engine.step()
             spans = self.spans.take() if self.spans is not None else []
@@ -206,7 +215,11 @@ class EngineServer:
         kind = command[0]
         if kind == "add":
             # copied out of the arena now: the acknowledgement of this command frees its region
-            self._add(decode_input(command[1], self.arena))
+            add = command[1]
+            inp = decode_input(add, self.arena)
+            ready = self._encoded(inp, add.images) if add.images is not None else inp
+            if ready is not None:  # else it failed, as the next step's outputs say
+                self._add(ready)
         elif kind == "abort":
             request_id = command[1]
             if self._waiting.pop(request_id, None) is None:
@@ -223,6 +236,18 @@ class EngineServer:
         elif kind == "stop":
             return False
         return True
+
+    def _encoded(self, inp: EngineInput, plan: ImagePlan) -> EngineInput | None:
+        """``inp`` with its images' embeddings in; None: they could not be encoded (the request fails)."""
+        try:
+            if self.images is None:
+                raise RuntimeError("this engine process has no vision encoder")
+            return self.images.resolve(inp, plan)
+        except Exception as exc:
+            logger.exception("engine process: the images of request %s could not be encoded", inp.request_id)
+            message = f"the engine process could not encode the request's images: {type(exc).__name__}: {exc}"
+            self._failed += _error_outputs(inp, message)
+            return None
 
     def _add(self, inp: EngineInput) -> None:
         if inp.grammar_source is None:
@@ -251,14 +276,15 @@ class EngineServer:
             try:
                 inp.grammar = waiting.flight.result().grammar
             except Exception as exc:  # its verdict was a success: evicted since and now refused (a fault)
-                message = f"the engine process could not compile the request's grammar: {exc}"
-                failed += [
-                    SeqOutput(request_id, i, [], "", finish_reason="error", error=message)
-                    for i in range(inp.sampling.n)
-                ]
+                failed += _error_outputs(inp, f"the engine process could not compile the request's grammar: {exc}")
                 continue
             self.engine.add(inp)
         return failed
+
+
+def _error_outputs(inp: EngineInput, message: str) -> list[SeqOutput]:
+    """The outputs that end each of ``inp``'s sequences with ``message`` (an error, nothing sampled)."""
+    return [SeqOutput(inp.request_id, i, [], "", finish_reason="error", error=message) for i in range(inp.sampling.n)]
 
 
 def _first_frame(sock: socket.socket, reader: FrameReader) -> bytes:
@@ -300,7 +326,11 @@ def main(fd: int) -> None:
         spans = SpanBuffer() if spec.trace else None
         engine = build_llm_engine(checkpoint, spec.config, device=spec.device, tracer=spans)
         arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
-        server = EngineServer(sock, engine, spec, checkpoint, arena, spans)  # builds the grammar stage
+        images = None
+        if spec.encodes:
+            hidden = int(checkpoint.text_config.hidden_size)
+            images = EngineImages(VisionEncoder(checkpoint, device=spec.device), hidden)
+        server = EngineServer(sock, engine, spec, checkpoint, arena, spans, images)  # builds the grammar stage
     except Exception as exc:  # report why, then exit: the serving process's start fails with it
         sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
         return

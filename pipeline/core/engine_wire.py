@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from pipeline.core.engine_arena import EngineArena, Tensors
+from pipeline.core.engine_images import ImagePlan
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
 
@@ -156,62 +157,89 @@ DECODER = msgspec.msgpack.Decoder(FromEngine)
 
 
 # -- to the engine process (pickle) -------------------------------------------------------------
+Raw = tuple[tuple[int, ...], str, bytes]  # a tensor inline in a frame: shape, dtype name, raw bytes
+
+
 @dataclass(frozen=True, slots=True)
 class AddCommand:
     """An ``EngineInput`` as it crosses: its fields but the compiled grammar; its tensors either in the
-    engine arena (``shared``: where) or inline (``embeds`` as bytes, ``extra_prefill`` in ``values``)."""
+    engine arena (``shared``: where) or inline (``embeds`` and ``pixels`` as bytes, ``extra_prefill``
+    in ``values``). With the vision encoder in the engine process, ``images`` says what to do with
+    the images, and only the pixels it says cross do (pipeline/core/engine_images.py)."""
 
-    values: dict[str, Any]  # every field of the EngineInput but grammar and image_embeds
-    embeds: tuple[tuple[int, ...], str, bytes] | None  # shape, dtype name, raw bytes
-    shared: Tensors | None = None  # image_embeds and extra_prefill, in the arena (values lack extra_prefill)
+    values: dict[str, Any]  # every field of the EngineInput but grammar, image_embeds and image_pixels
+    embeds: Raw | None  # image_embeds
+    shared: Tensors | None = None  # image_embeds, extra_prefill and pixels, in the arena (values lack extra_prefill)
+    images: ImagePlan | None = None
+    pixels: tuple[Raw | None, ...] = ()  # inline: per image key, its pixels where they cross
 
 
-_KEPT = tuple(f.name for f in fields(EngineInput) if f.name not in ("grammar", "image_embeds"))
+_KEPT = tuple(f.name for f in fields(EngineInput) if f.name not in ("grammar", "image_embeds", "image_pixels"))
 _EXTRA = "extra_prefill."  # the prefix of an extra_prefill tensor's name in the arena
+_PIXELS = "pixels."  # the prefix of an image's pixels in the arena, then its index among the keys
 
 
-def encode_input(inp: EngineInput, arena: EngineArena | None = None) -> AddCommand:
+def _raw(tensor: torch.Tensor) -> Raw:
+    tensor = tensor.detach().cpu().contiguous()
+    raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), raw
+
+
+def _tensor(raw: Raw) -> torch.Tensor:
+    shape, dtype_name, data = raw
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype_name)).view(shape)
+
+
+def encode_input(inp: EngineInput, arena: EngineArena | None = None, images: ImagePlan | None = None) -> AddCommand:
     """What crosses for ``inp`` (its compiled grammar stays: the engine process compiles its source).
 
-    Its tensors go into ``arena`` when given and they fit there, else inline in the frame.
+    Its tensors go into ``arena`` when given and they fit there, else inline in the frame. ``images``:
+    the plan of ``inp``'s ``image_pixels`` (only the pixels it sends cross).
 
-    :raises ValueError: ``inp`` has a grammar but not its source.
+    :raises ValueError: ``inp`` has a grammar but not its source, or pixels but no plan.
     """
     if inp.grammar is not None and inp.grammar_source is None:
         raise ValueError("a grammar without its source cannot cross to the engine process")
+    if bool(inp.image_pixels) != (images is not None):
+        raise ValueError("an add's image pixels cross with their plan, and only then")
     values = {name: getattr(inp, name) for name in _KEPT}
-    if arena is not None and inp.image_embeds is not None:
-        tensors = {"image_embeds": inp.image_embeds} | {_EXTRA + k: v for k, v in inp.extra_prefill.items()}
+    sent = {i: p for i, p in enumerate(inp.image_pixels) if images is not None and images.send[i] and p is not None}
+    if images is not None and len(sent) != sum(images.send):
+        raise ValueError("the plan sends the pixels of an image the request has none of")
+    if arena is not None and (inp.image_embeds is not None or sent):
+        tensors = {"image_embeds": inp.image_embeds} if inp.image_embeds is not None else {}
+        tensors |= {_EXTRA + k: v for k, v in inp.extra_prefill.items()}
+        tensors |= {f"{_PIXELS}{i}": p for i, p in sent.items()}
         shared = arena.put(tensors)
         if shared is not None:
             values["extra_prefill"] = {}
-            return AddCommand(values, None, shared)
-    embeds = None
-    if inp.image_embeds is not None:
-        tensor = inp.image_embeds.detach().cpu().contiguous()
-        raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        embeds = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), raw)
-    return AddCommand(values, embeds)
+            return AddCommand(values, None, shared, images)
+    embeds = _raw(inp.image_embeds) if inp.image_embeds is not None else None
+    pixels = tuple(_raw(sent[i]) if i in sent else None for i in range(len(inp.image_pixels)))
+    return AddCommand(values, embeds, None, images, pixels)
 
 
 def decode_input(add: AddCommand, arena: EngineArena | None = None) -> EngineInput:
     """The ``EngineInput`` again, without its grammar (the engine process compiles it); tensors in the
     arena are copied out of it (its region is freed once the serving process learns this add was read).
+    The pixels of images the plan does not send are None (``EngineImages.resolve`` fills the embeddings in).
 
     :raises ValueError: the add's tensors are in an arena but none is given.
     """
+    num_images = len(add.images.send) if add.images is not None else 0
     if add.shared is not None:
         if arena is None:
             raise ValueError("an add's tensors are in the engine arena but this process has none")
         tensors = arena.take(add.shared)
         extra = {name.removeprefix(_EXTRA): t for name, t in tensors.items() if name.startswith(_EXTRA)}
-        return EngineInput(**(add.values | {"extra_prefill": extra}), image_embeds=tensors["image_embeds"])
-    image_embeds = None
-    if add.embeds is not None:
-        shape, dtype_name, raw = add.embeds
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        image_embeds = flat.view(getattr(torch, dtype_name)).view(shape)
-    return EngineInput(**add.values, image_embeds=image_embeds)
+        pixels = [tensors.get(f"{_PIXELS}{i}") for i in range(num_images)]
+        return EngineInput(
+            **(add.values | {"extra_prefill": extra}), image_embeds=tensors.get("image_embeds"), image_pixels=pixels
+        )
+    image_embeds = _tensor(add.embeds) if add.embeds is not None else None
+    pixels = [_tensor(raw) if raw is not None else None for raw in add.pixels]
+    return EngineInput(**add.values, image_embeds=image_embeds, image_pixels=pixels)
 
 
 def encode_command(command: tuple[Any, ...]) -> bytes:

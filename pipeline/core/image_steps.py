@@ -9,11 +9,15 @@ At the decode step the request claims its images from the encoder cache (sorted 
 time: see stages/encoder_cache.py): a hit skips decode, the processor and the encoder; a miss makes
 the request the image's owner, and it decodes and encodes the image once for every request that asks
 meanwhile. The owner's flights are abandoned when its job leaves the stages, whatever its outcome.
+With the vision encoder in the engine process there is no encoder here: the cache keeps pixels, the
+vision step only hands them to the requests that wait, and they go to the engine process with the
+request (pipeline/core/engine_images.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,8 +45,10 @@ class RequestImages:
     data: list[bytes | None] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)  # content hash of each image
     images: list[PreparedImage | EncodedImage] = field(default_factory=list)
-    flights: dict[str, Flight] = field(default_factory=dict)  # images this request encodes for others
+    flights: dict[str, Flight[Any]] = field(default_factory=dict)  # images this request encodes for others
     embeds: torch.Tensor | None = None  # [sum(num_patches), hidden]
+    # the encoder in the engine process: each image's pixels, in prompt order (embeds is then None)
+    pixels: list[torch.Tensor | None] = field(default_factory=list)
     keys: list[ImageKey] = field(default_factory=list)
 
 
@@ -52,12 +58,14 @@ class ImageSteps:
         fetch: FetchStage,
         decode: DecodeStage,
         vision: VisionEncodeStage | None,
-        cache: EncoderCache | None,
+        cache: EncoderCache[Any] | None,
         tracer: Tracer | None = None,
+        takes_images: bool | None = None,
     ) -> None:
         self.fetch = fetch
         self.decode = decode
-        self.vision = vision
+        self.vision = vision  # None: the model takes no images, or (takes_images) the engine process encodes
+        self.takes_images = vision is not None if takes_images is None else takes_images
         self.cache = cache  # None: off
         # with no cache every image is decoded, so knowing its hash early saves nothing
         self.url_keys = DataUrlKeys() if cache is not None else None
@@ -88,7 +96,7 @@ class ImageSteps:
             self.tracer.instant("images hashed", request_id, hashes=[h[:16] for h in hashes])
 
     async def decode_step(self, refs: list[ImagePart], out: RequestImages) -> None:
-        found: dict[str, EncodedImage] = {}
+        found: dict[str, PreparedImage | EncodedImage] = {}
         if self.cache is not None:
             for h in sorted(set(out.hashes)):  # in hash order: no two requests wait on each other
                 got = await self.cache.claim(h)
@@ -113,8 +121,11 @@ class ImageSteps:
     async def vision_step(self, out: RequestImages) -> None:
         if not out.images:
             return
-        if self.vision is None:
+        if not self.takes_images:
             raise InvalidRequest("this model takes no images", field="messages")
+        if self.vision is None:
+            self._pixels_for_engine(out)
+            return
         todo = {h: im for h, im in zip(out.hashes, out.images, strict=True) if isinstance(im, PreparedImage)}
         encoded = await self.vision.encode_each(list(todo.values())) if todo else []
         done: dict[str, EncodedImage] = {}
@@ -128,6 +139,20 @@ class ImageSteps:
         # megabytes on the loop cost more than anything else in this step
         out.embeds = images[0].embeds if len(images) == 1 else torch.cat([im.embeds for im in images])
         out.keys = [ImageKey(im.content_hash, im.num_patches, im.grid_thw) for im in images]
+        out.images = []
+
+    def _pixels_for_engine(self, out: RequestImages) -> None:
+        """The engine process encodes: the request carries its images' pixels, and those it decoded
+        for others are theirs now (the cache keeps pixels)."""
+        images: list[PreparedImage] = []
+        for h, im in zip(out.hashes, out.images, strict=True):
+            assert isinstance(im, PreparedImage)  # no encoder here: nothing is cached encoded
+            flight = out.flights.pop(h, None)
+            if flight is not None and self.cache is not None:
+                self.cache.fulfil(flight, im)
+            images.append(im)
+        out.pixels = [im.pixel_values for im in images]
+        out.keys = [ImageKey(h, im.num_patches, im.grid_thw) for h, im in zip(out.hashes, images, strict=True)]
         out.images = []
 
     def release(self, out: RequestImages) -> None:

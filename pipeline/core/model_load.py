@@ -27,7 +27,7 @@ class LoadedModel:
     """One model's parts, as the pipeline serves them."""
 
     checkpoint: Checkpoint
-    encoder: VisionEncoder | None  # None: a text-only model
+    encoder: VisionEncoder | None  # None: a text-only model, or the encoder runs in the engine process
     engine: Engine | None  # None: built without an engine
     grammar: GrammarStage | RemoteGrammarStage
     tool_format: ToolFormat  # how the model writes tool calls: its family's
@@ -43,7 +43,9 @@ def load_model(config: PipelineConfig, *, with_engine: bool, tracer: Tracer | No
     fmt = tool_format(family_of(ck).tool_call_format)
     if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
         fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
-    encoder = VisionEncoder(ck, device=device) if ck.vision_config is not None else None
+    # with the encoder in the engine process, this process loads none (nor, on a GPU, a CUDA context for it)
+    encodes_here = ck.vision_config is not None and not config.encoder_in_engine()
+    encoder = VisionEncoder(ck, device=device) if encodes_here else None
     engine = build_engine(ck, config, device=device, tracer=tracer) if with_engine else None
     grammar: GrammarStage | RemoteGrammarStage
     if isinstance(engine, ProcessEngine):

@@ -110,8 +110,9 @@ class Preparation:
         image_text = ImageText.from_checkpoint(checkpoint.config, tokenizer) if processor else None
         self.template = build_template_stage(cfg, tokenizer, self.image_token_id, image_text)
         self.vision = build_vision_stage(cfg, encoder)
-        self.encoder_cache = build_encoder_cache(cfg, checkpoint, encoder)
-        self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer)
+        self.encoder_cache = build_encoder_cache(cfg, checkpoint)
+        takes_images = checkpoint.vision_config is not None  # encoded here, or (no encoder) in the engine process
+        self.images = ImageSteps(self.fetch, self.decode, self.vision, self.encoder_cache, tracer, takes_images)
         self.grammar = grammar
         metrics.grammar_compiles = lambda: self.grammar.stats.backends
         metrics.grammar = self.grammar.counters
@@ -326,6 +327,7 @@ class Preparation:
             prompt_token_ids=prep.prompt_ids,
             image_token_id=self.image_token_id,
             image_embeds=embeds,
+            image_pixels=prep.images.pixels,  # the engine process encodes them (then embeds is None)
             sampling=request.sampling,
             grammar=grammar,
             grammar_source=source,

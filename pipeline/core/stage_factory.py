@@ -167,12 +167,9 @@ def build_vision_stage(cfg: PipelineConfig, encoder: VisionEncoder | None) -> Vi
     )
 
 
-def build_encoder_cache(
-    cfg: PipelineConfig, checkpoint: Checkpoint, encoder: VisionEncoder | None
-) -> EncoderCache | None:
-    """The encoder cache (None when off, or for a model that takes no images)."""
-    return (
-        EncoderCache(cfg.encoder_cache_bytes, encoder_cache_namespace(checkpoint))
-        if cfg.encoder_cache_bytes and encoder is not None
-        else None
-    )
+def build_encoder_cache(cfg: PipelineConfig, checkpoint: Checkpoint) -> EncoderCache[Any] | None:
+    """The encoder cache (None when off, or for a model that takes no images); with the encoder in
+    the engine process, it keeps the images' pixels (their embeddings are kept there)."""
+    if not cfg.encoder_cache_bytes or checkpoint.vision_config is None:
+        return None
+    return EncoderCache(cfg.encoder_cache_bytes, encoder_cache_namespace(checkpoint))
