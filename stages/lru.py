@@ -50,6 +50,13 @@ class Lru(Generic[K, V]):
             self._entries.move_to_end(key)
         return value
 
+    def pop(self, key: K) -> V | None:
+        """Remove ``key``; its value (None: it was not held). No eviction callback: it was not evicted."""
+        value = self._entries.pop(key, None)
+        if value is not None:
+            self.weight -= self._weigh(value)
+        return value
+
     def put(self, key: K, value: V) -> int:
         """Hold ``value`` as the most recently used (replacing ``key``'s value), then evict the least
         recently used while over the bound; returns how many were evicted. A caller keeps out a value

@@ -36,6 +36,7 @@ from pipeline.core.engine_wire import (
     BarrierReached,
     GrammarsIdle,
     GrammarVerdict,
+    ImagesLost,
     Step,
     StepTimeline,
     encode_input,
@@ -139,7 +140,7 @@ class ProcessEngine(EngineSupervisor):
         if inp.image_pixels:
             if self.images is None:
                 raise ValueError("image pixels sent to an engine process that does not encode images")
-            plan = self.images.plan(inp.image_keys)  # from here the index counts this add as read
+            plan = self.images.plan(inp.image_keys, self._num_sent + 1)  # the index counts it read from here
         add = encode_input(inp, self._arena, plan)
         if add.shared is not None and self._arena is not None:
             self._arena.hold_until(self._num_sent + 1)  # freed once the engine has read this add
@@ -259,6 +260,9 @@ class ProcessEngine(EngineSupervisor):
                 reached.set()
         elif isinstance(message, Alive):
             self._acked(message.acked)
+        elif isinstance(message, ImagesLost):
+            if self.images is not None:
+                self.images.forget(message.hashes, message.command)
         elif isinstance(message, GrammarVerdict) and message.token == 0:
             if self.on_unasked is not None:
                 self.on_unasked(message)

@@ -12,6 +12,11 @@ the engine has dropped, and nothing is asked back. A request keeps its pixels un
 (and sent again, should its answer be resampled), so whatever the index decides meanwhile, an add can
 always carry them. A new engine process holds nothing, and the index starts empty with it.
 
+An add whose images fail to encode fails its request, and the engine process keeps none of them; it
+says which it was told to keep (``ImagesLost``, with the add's command number), and the index forgets
+each unless a later add has sent that image again. An add sent meanwhile that counts on one of them
+fails its request too, with a message that says so.
+
 ``EngineImages`` is the engine process's half: it encodes what crosses and fills the request's
 embeddings in (its DeepStack rows split off as the preparation stages do).
 """
@@ -49,14 +54,23 @@ class ImageIndex:
         self.row_bytes = row_bytes  # one image token's embedding row in the engine process
         self.stats = CacheStats(bytes_bound=max_bytes)
         self._dropped: list[str] = []
-        self._held: Lru[str, int] = Lru(max_bytes, lambda nbytes: nbytes, on_evict=self._dropped.append)
+        self._held: Lru[str, int] = Lru(max_bytes, lambda nbytes: nbytes, on_evict=self._evicted)
+        self._kept_by: dict[str, int] = {}  # per image held: the command number of the add that sent it
         self.num_sent = 0  # images whose pixels crossed
+
+    def __contains__(self, content_hash: object) -> bool:
+        return content_hash in self._held
+
+    def _evicted(self, content_hash: str) -> None:
+        self._dropped.append(content_hash)
+        self._kept_by.pop(content_hash, None)
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def plan(self, keys: list[ImageKey]) -> ImagePlan:
-        """The plan of an add with images ``keys``, sent now: from here on the index counts it done."""
+    def plan(self, keys: list[ImageKey], command: int) -> ImagePlan:
+        """The plan of an add with images ``keys``, sent now as command number ``command``: from here
+        on the index counts it done."""
         send: list[bool] = []
         keep: list[bool] = []
         in_add: set[str] = set()
@@ -74,6 +88,9 @@ class ImageIndex:
             send.append(True)
             keep.append(fits)
             if fits:  # evicts the least recently used (this add's own images last: they were touched)
+                if digest in self._dropped:  # a hit of this add evicted by its own images, then sent again:
+                    self._dropped.remove(digest)  # the engine keeps before it drops, so it must not drop it
+                self._kept_by[digest] = command
                 self._held.put(digest, nbytes)
         drop, self._dropped[:] = tuple(self._dropped), []
         self.stats.evictions += len(drop)
@@ -81,9 +98,19 @@ class ImageIndex:
         self.num_sent += sum(send)
         return ImagePlan(tuple(send), tuple(keep), drop)
 
+    def forget(self, hashes: list[str], command: int) -> None:
+        """The engine process did not keep ``hashes`` of add ``command`` (they failed to encode): forget
+        those that no later add has sent again."""
+        for digest in hashes:
+            if self._kept_by.get(digest) == command:
+                del self._kept_by[digest]
+                self._held.pop(digest)
+        self.stats.bytes_held, self.stats.entries = self._held.weight, len(self._held)
+
     def reset(self) -> None:
         """A new engine process holds nothing."""
-        self._held = Lru(self.max_bytes, lambda nbytes: nbytes, on_evict=self._dropped.append)
+        self._held = Lru(self.max_bytes, lambda nbytes: nbytes, on_evict=self._evicted)
+        self._kept_by.clear()
         self._dropped.clear()
         self.stats.bytes_held = self.stats.entries = 0
 
@@ -105,19 +132,32 @@ class EngineImages:
         """
         keys = inp.image_keys
         todo = [i for i, send in enumerate(plan.send) if send]
-        images = [PreparedImage(inp.image_pixels[i], _grid(keys[i])) for i in todo]
-        encoded = dict(zip((keys[i].content_hash for i in todo), self.encoder.encode(images), strict=True))
+        try:
+            images = [PreparedImage(inp.image_pixels[i], _grid(keys[i])) for i in todo]
+            encoded = dict(zip((keys[i].content_hash for i in todo), self.encoder.encode(images), strict=True))
+            rows = [encoded[k.content_hash] if k.content_hash in encoded else self._held(k.content_hash) for k in keys]
+        except Exception:
+            self._drop(plan.drop)  # what the index dropped goes whatever happened to the add
+            raise
         self.num_encoded += len(todo)
-        rows = [encoded[k.content_hash] if k.content_hash in encoded else self.held[k.content_hash] for k in keys]
         for i, keep in enumerate(plan.keep):
             if keep:
                 self.held[keys[i].content_hash] = encoded[keys[i].content_hash]
-        for digest in plan.drop:  # after keeping: an image kept and evicted within one add is not held
-            self.held.pop(digest, None)
+        self._drop(plan.drop)  # after keeping: an image kept and evicted within one add is not held
         embeds = rows[0] if len(rows) == 1 else torch.cat(rows)
         embeds, deepstack = split_deepstack(embeds, self.hidden_size)
         extra = {"deepstack_visual_embeds": deepstack} if deepstack is not None else {}
         return dataclasses.replace(inp, image_embeds=embeds, image_pixels=[], extra_prefill=extra)
+
+    def _held(self, content_hash: str) -> torch.Tensor:
+        held = self.held.get(content_hash)
+        if held is None:
+            raise KeyError(f"the embeddings of image {content_hash[:16]} are not held here (its encode failed)")
+        return held
+
+    def _drop(self, hashes: tuple[str, ...]) -> None:
+        for digest in hashes:
+            self.held.pop(digest, None)
 
 
 def _grid(key: ImageKey) -> tuple[int, int, int]:

@@ -56,6 +56,7 @@ from pipeline.core.engine_wire import (
     BarrierReached,
     Fatal,
     FrameReader,
+    ImagesLost,
     Ready,
     Step,
     StepTimeline,
@@ -247,6 +248,9 @@ class EngineServer:
             logger.exception("engine process: the images of request %s could not be encoded", inp.request_id)
             message = f"the engine process could not encode the request's images: {type(exc).__name__}: {exc}"
             self._failed += _error_outputs(inp, message)
+            lost = [key.content_hash for key, keep in zip(inp.image_keys, plan.keep, strict=True) if keep]
+            if lost:  # the serving process's index counts them held: it forgets them
+                self.send(ImagesLost(self._num_read, lost))
             return None
 
     def _add(self, inp: EngineInput) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "FrameReader",
     "GrammarVerdict",
     "GrammarsIdle",
+    "ImagesLost",
     "Ready",
     "Step",
     "StepTimeline",
@@ -145,13 +146,21 @@ class GrammarVerdict(msgspec.Struct, tag="verdict"):
     key: str = ""  # the spec's, in an unasked verdict
 
 
+class ImagesLost(msgspec.Struct, tag="images_lost"):
+    """Sent unasked when an add's images failed to encode: the engine process keeps none of them,
+    though the add (command number ``command``) told it to keep ``hashes``."""
+
+    command: int
+    hashes: list[str]
+
+
 class GrammarsIdle(msgspec.Struct, tag="grammars_idle"):
     """The answer to ``("grammars_idle", token)``: no compile is running in the engine process."""
 
     token: int
 
 
-FromEngine = Ready | Fatal | Step | BarrierReached | StepTimeline | Alive | GrammarVerdict | GrammarsIdle
+FromEngine = Ready | Fatal | Step | BarrierReached | StepTimeline | Alive | GrammarVerdict | GrammarsIdle | ImagesLost
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(FromEngine)
 

@@ -68,7 +68,7 @@ class Pipeline:
         self.metrics.waiting_for_engine = lambda: self._engine.room.num_waiting if self._engine is not None else 0
         self.metrics.engine = self.decoding
         self._exporter = MetricsExporter(self.metrics)
-        for cache in ("encoder", "kv_prefix"):  # read at scrape time; absent while off
+        for cache in ("encoder", "image_pixels", "kv_prefix"):  # read at scrape time; absent while off
             self.metrics.register_cache(cache, functools.partial(self._cache_counters, cache))
         self.state = PipelineState.NEW
         self.loop_turns = LoopTurns()  # taken by admission and replies (pipeline.api) and by ``prepared``

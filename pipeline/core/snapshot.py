@@ -1,11 +1,12 @@
 """What a running pipeline holds, read without changing it: the ``Resources`` snapshot that tests
-check for leaks, and the figures of its caches (encoder, KV prefix) that ``/metrics`` reports.
+check for leaks, and the figures of its caches (encoder, image pixels, KV prefix) that ``/metrics`` reports.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.engine_factory import Engine
 from pipeline.core.preparation import Preparation
 from pipeline.observability.metrics import Metrics
@@ -49,10 +50,17 @@ def resources(prep: Preparation, metrics: Metrics, engine: Engine | None, pendin
 
 def cache_stats(prep: Preparation, engine: Engine | None) -> dict[str, CacheStats]:
     """Hits, misses, evictions and bytes held of the encoder cache and the KV prefix cache (a
-    cache that is off is absent)."""
+    cache that is off is absent). With the vision encoder in the engine process, the encoder cache
+    is what that process holds (as the serving process's index says) and the pixels kept here for
+    a hit's preparation are ``image_pixels``."""
     out = {}
     cache = prep.encoder_cache
-    if cache is not None:
+    index = engine.images if isinstance(engine, ProcessEngine) else None
+    if index is not None:
+        out["encoder"] = replace(index.stats)
+        if cache is not None:
+            out["image_pixels"] = replace(cache.stats)
+    elif cache is not None:
         out["encoder"] = replace(cache.stats)
     kv = engine.prefix_cache_figures() if engine is not None else None
     if kv is not None:

@@ -46,21 +46,24 @@ def _expected(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> l
 
 
 @pytest.mark.parametrize(
-    ("family", "with_image", "engine_mode"),
+    ("family", "with_image", "engine_mode", "placement"),
     [
-        ("qwen3", False, "thread"),
-        ("gemma3", False, "thread"),
-        ("mistral3", True, "thread"),
-        ("gemma3-vlm", False, "thread"),
-        ("gemma3-vlm", True, "thread"),
-        ("qwen2.5-vl", True, "thread"),
-        ("qwen3-vl", True, "thread"),
+        ("qwen3", False, "thread", "auto"),
+        ("gemma3", False, "thread", "auto"),
+        ("mistral3", True, "thread", "auto"),
+        ("gemma3-vlm", False, "thread", "auto"),
+        ("gemma3-vlm", True, "thread", "auto"),
+        ("qwen2.5-vl", True, "thread", "auto"),
+        ("qwen3-vl", True, "thread", "auto"),
         # the engine in its own process: embeddings, M-RoPE positions and DeepStack rows cross to it
-        ("qwen3-vl", True, "process"),
+        ("qwen3-vl", True, "process", "auto"),
+        # the vision encoder there too: the pixels cross, and the DeepStack rows are split off there
+        ("qwen3-vl", True, "process", "engine"),
+        ("mistral3", True, "process", "engine"),
     ],
 )
 async def test_the_served_answer_is_transformers_own(
-    family: str, with_image: bool, engine_mode: str, family_dir: FamilyDir
+    family: str, with_image: bool, engine_mode: str, placement: str, family_dir: FamilyDir
 ) -> None:
     folder = family_dir(family)
     image = make_image(96, 64, seed=7)
@@ -78,6 +81,7 @@ async def test_the_served_answer_is_transformers_own(
         max_model_len=512,
         prep_workers=1,
         engine_mode=engine_mode,
+        vision_encoder_placement=placement,
     )
     with anyio.fail_after(180):
         async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
@@ -97,6 +101,8 @@ async def test_the_served_answer_is_transformers_own(
                 engine = pipe.engine
                 assert isinstance(engine, ProcessEngine)
                 assert (engine.num_arena_adds, engine.num_inline_adds) == (1, 0)
+                if placement == "engine":  # the pixels, encoded over there
+                    assert pipe.encoder is None and engine.images is not None and engine.images.num_sent == 1
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
     served = [bytes(entry.bytes or []) for entry in logprobs.content]

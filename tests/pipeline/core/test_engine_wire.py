@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeline.core.engine_arena import EngineArena
+from pipeline.core.engine_images import ImagePlan
 from pipeline.core.engine_wire import DECODER, ENCODER, FrameReader, Step, decode_input, encode_input, frame
 from pipeline.types import GrammarSpec
 from sampling.inputs import EngineInput, ImageKey, SeqOutput
@@ -105,3 +106,29 @@ def test_an_input_that_does_not_fit_the_arena_crosses_inline() -> None:
         assert torch.equal(back.extra_prefill["deepstack_visual_embeds"], deepstack)
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("arena_bytes", [1 << 20, 64], ids=["arena", "inline"])
+def test_only_the_pixels_the_plan_sends_cross(arena_bytes: int) -> None:
+    """The vision encoder in the engine process: pixels cross where the plan says (the engine holds
+    the others), in the arena when they fit, inline when not; the plan crosses with them."""
+    gen = torch.Generator().manual_seed(1)
+    pixels = [torch.randn(3, 32, 16, generator=gen), torch.randn(3, 16, 16, generator=gen)]
+    keys = [ImageKey("held", 2, (1, 1, 2)), ImageKey("new", 1, (1, 1, 1))]
+    inp = EngineInput("r5", [1, 9, 9, 9, 2], 9, None, SamplingParams(), image_keys=keys, image_pixels=list(pixels))
+    plan = ImagePlan(send=(False, True), keep=(False, True), drop=("old",))
+    arena = EngineArena.create(arena_bytes)
+    try:
+        add = encode_input(inp, arena, plan)
+        assert (add.shared is not None) == (arena_bytes > 64)
+        raw = pickle.dumps(add)
+        assert (len(raw) > pixels[1].numel() * 4) == (arena_bytes == 64)  # inline: the sent pixels' bytes
+        assert len(raw) < pixels[0].numel() * 4  # the held image's never cross
+        back = decode_input(pickle.loads(raw), arena)
+    finally:
+        arena.close()
+    assert back.image_pixels[0] is None and back.image_embeds is None
+    assert back.image_pixels[1] is not None and torch.equal(back.image_pixels[1], pixels[1])
+    assert pickle.loads(raw).images == plan and back.image_keys == keys
+    with pytest.raises(ValueError, match="with their plan"):
+        encode_input(inp)

@@ -1,0 +1,151 @@
+"""The vision encoder in the engine process (``vision_encoder_placement="engine"``): the answers are
+those of the encoder in preparation; an image the engine process holds crosses once; the serving
+process's index and what the engine process holds agree after evictions and after the engine
+process is killed (its successor holds nothing, and the pixels cross again); nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from pipeline import PipelineConfig
+from pipeline.core.engine_client import ProcessEngine
+from pipeline.core.engine_images import ImageIndex
+from pipeline.core.pipeline import Pipeline
+from pipeline.errors import EngineFailed
+from tests.images import data_url, encode, image_request, make_image
+from tests.released import assert_released
+from tests.stages.test_process_pool import wait_gone
+
+CONFIG = {"max_running_seqs": 4, "num_kv_blocks": 512, "max_model_len": 4096, "prep_workers": 2}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def pipe() -> AsyncIterator[Pipeline]:
+    # preparation in worker processes, which return pixels: there is no encoder in the serving process
+    config = PipelineConfig(engine_mode="process", vision_encoder_placement="engine", **CONFIG)
+    async with Pipeline(config) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+async def expected() -> list[list[list[int]]]:
+    """The answers with the encoder in preparation and the engine on a thread."""
+    async with Pipeline(PipelineConfig(engine_mode="thread", preparation_mode="thread", **CONFIG)) as p:
+        return await _answers(p)
+
+
+def _engine(pipe: Pipeline) -> tuple[ProcessEngine, ImageIndex]:
+    engine = pipe.engine
+    assert isinstance(engine, ProcessEngine) and engine.images is not None
+    return engine, engine.images
+
+
+def _bodies() -> list[dict[str, object]]:
+    """Greedy image requests: one image, two images (the first again), and two choices of one."""
+    one = [data_url(encode(make_image(96, 64, seed=11)))]
+    two = one + [data_url(encode(make_image(40, 80, seed=12), "JPEG"), "image/jpeg")]
+    return [
+        image_request(one, max_tokens=24, temperature=0),
+        image_request(two, max_tokens=24, temperature=0),
+        image_request(one, text="Again.", max_tokens=16, temperature=0.8, seed=3, n=2),
+    ]
+
+
+async def _answers(pipe: Pipeline) -> list[list[list[int]]]:
+    results = [await (await pipe.submit(body)).result() for body in _bodies()]
+    return [[list(choice.token_ids) for choice in result.choices] for result in results]
+
+
+async def _held(engine: ProcessEngine) -> int:
+    """Images the engine process holds, as it says after handling everything sent so far."""
+    await engine.barrier()
+    return engine._held["images_held"]
+
+
+def test_auto_places_the_encoder_in_the_engine_process_only_on_a_gpu() -> None:
+    assert not PipelineConfig(engine_mode="process", device="cpu").encoder_in_engine()
+    assert PipelineConfig(engine_mode="process", device="cuda").encoder_in_engine()
+    assert not PipelineConfig(engine_mode="thread", device="cuda").encoder_in_engine()
+    with pytest.raises(ValueError, match="needs engine_mode"):
+        PipelineConfig(engine_mode="thread", vision_encoder_placement="engine")
+    with pytest.raises(ValueError, match="vision_encoder_placement"):
+        PipelineConfig(vision_encoder_placement="gpu")
+
+
+async def test_answers_are_the_encoder_in_preparations_and_a_held_image_crosses_once(
+    pipe: Pipeline, expected: list[list[list[int]]]
+) -> None:
+    engine, index = _engine(pipe)
+    assert pipe.encoder is None  # no encoder weights in the serving process
+    with anyio.fail_after(240):
+        sent, adds = index.num_sent, engine.num_arena_adds
+        assert await _answers(pipe) == expected
+        assert index.num_sent - sent == 2  # two distinct images: each crosses once
+        assert await _held(engine) == len(index) >= 2
+        sent = index.num_sent
+        assert await _answers(pipe) == expected  # again: the engine process holds both
+        # only adds with pixels take an arena region: those of the first round that sent an image
+        assert index.num_sent == sent and engine.num_arena_adds - adds == 2 and engine.num_inline_adds == 0
+        stats = pipe.cache_stats()  # the encoder cache is the engine process's; the pixels are kept here
+        assert stats["encoder"].entries == len(index) and stats["encoder"].hits >= 4
+        assert stats["image_pixels"].entries == 2
+        assert b'pipeline_cache_hits_total{cache="image_pixels"}' in pipe.render_metrics()
+        await assert_released(pipe)
+
+
+async def test_a_bound_of_one_image_evicts_and_the_engine_holds_what_the_index_says(
+    expected: list[list[list[int]]],
+) -> None:
+    # the embeddings of either image fit (96x64: 24 rows of 64 float32s, 6 KiB; 40x80: 15 rows), not both
+    config = PipelineConfig(
+        engine_mode="process",
+        preparation_mode="thread",
+        vision_encoder_placement="engine",
+        encoder_cache_bytes=8192,
+        **CONFIG,
+    )
+    with anyio.fail_after(240):
+        async with Pipeline(config) as p:
+            engine, index = _engine(p)
+            assert await _answers(p) == expected
+            assert index.stats.evictions >= 1
+            assert await _held(engine) == len(index) == 1
+            assert await _answers(p) == expected
+            assert await _held(engine) == len(index) == 1
+            await assert_released(p)
+
+
+async def test_a_killed_engine_process_holds_nothing_and_the_pixels_cross_again(
+    pipe: Pipeline, expected: list[list[list[int]]]
+) -> None:
+    engine, index = _engine(pipe)
+    with anyio.fail_after(240):
+        await _answers(pipe)
+        assert len(index) >= 2
+        pid = engine.pid
+        assert pid is not None
+        body = image_request([data_url(encode(make_image(seed=13)))], max_tokens=4000, ignore_eos=True)
+        handle = await pipe.submit(body)
+        killed = False
+        with pytest.raises(EngineFailed):  # the request it held fails: the engine process is known lost
+            async for _delta in handle:
+                if not killed:  # while it decodes
+                    os.kill(pid, signal.SIGKILL)
+                    killed = True
+        await wait_gone(pid)
+        await engine.wait_started()
+        assert len(index) == 0 and await _held(engine) == 0
+        sent = index.num_sent
+        assert await _answers(pipe) == expected
+        assert index.num_sent == sent + 2 and await _held(engine) == len(index) == 2
+        await assert_released(pipe)
