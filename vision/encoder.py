@@ -85,9 +85,10 @@ class VisionEncoder:
     def hidden_size(self) -> int:
         return self.text_hidden_size
 
-    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+    def encode(self, images: list[PreparedImage], *, on_device: bool = False) -> list[torch.Tensor]:
         """One tensor ``[num_patches, hidden]`` per image (DeepStack features packed beside: see
-        the module's docstring), on the CPU in the model's dtype.
+        the module's docstring), on the CPU in the model's dtype (``on_device``: left on the encoder's
+        device, for a decoder there).
 
         The tower runs once per image: transformers' Pixtral tower packs a batch into one sequence
         under a block-diagonal mask, so its attention cost grows with the square of the whole
@@ -95,7 +96,8 @@ class VisionEncoder:
         The stage's micro-batch still saves thread hops and keeps the work in one call.
         """
         with torch.inference_mode():
-            return [self._encode_one(image) for image in images]
+            rows = [self._encode_one(image) for image in images]
+        return rows if on_device else [r.to("cpu") for r in rows]
 
     def _encode_one(self, image: PreparedImage) -> torch.Tensor:
         if image.pixel_values is None:
@@ -108,10 +110,10 @@ class VisionEncoder:
             # only towers of dynamic resolution (Pixtral) take the image's size
             sizes = {"image_sizes": torch.tensor([image.pixel_values.shape[1:]])} if self.takes_sizes else {}
             features: Any = self.model.get_image_features(pixel_values=pixels, **sizes)
-            return features.pooler_output[0].to("cpu")  # [image tokens, hidden]
+            return features.pooler_output[0]  # [image tokens, hidden]
         out: Any = self.tower(pixels, image_sizes=[tuple(image.pixel_values.shape[1:])])
         # last_hidden_state: [1, num_patches, vision_hidden]
-        return self.projector(out.last_hidden_state[0]).to("cpu")
+        return self.projector(out.last_hidden_state[0])
 
     def _encode_grid(self, image: PreparedImage) -> torch.Tensor:
         assert image.pixel_values is not None
@@ -124,7 +126,7 @@ class VisionEncoder:
         )
         deepstack = getattr(features, "deepstack_features", None) or []
         # [tokens, hidden] each: the embeddings, then every DeepStack layer's features
-        return torch.cat([features.pooler_output[0], *(layer[0] for layer in deepstack)], dim=-1).to("cpu")
+        return torch.cat([features.pooler_output[0], *(layer[0] for layer in deepstack)], dim=-1)
 
 
 def _load_without_language_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> Any:

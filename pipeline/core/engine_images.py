@@ -134,7 +134,9 @@ class EngineImages:
         todo = [i for i, send in enumerate(plan.send) if send]
         try:
             images = [PreparedImage(inp.image_pixels[i], _grid(keys[i])) for i in todo]
-            encoded = dict(zip((keys[i].content_hash for i in todo), self.encoder.encode(images), strict=True))
+            # on the decoder's device (a GPU's embeddings stay there, in the cache as in the prefill)
+            rows_of = self.encoder.encode(images, on_device=True)
+            encoded = dict(zip((keys[i].content_hash for i in todo), rows_of, strict=True))
             rows = [encoded[k.content_hash] if k.content_hash in encoded else self._held(k.content_hash) for k in keys]
         except Exception:
             self._drop(plan.drop)  # what the index dropped goes whatever happened to the add

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
+import torch
 
 from pipeline import PipelineConfig
 from pipeline.core.engine_client import ProcessEngine
@@ -149,3 +150,21 @@ async def test_a_killed_engine_process_holds_nothing_and_the_pixels_cross_again(
         assert await _answers(pipe) == expected
         assert index.num_sent == sent + 2 and await _held(engine) == len(index) == 2
         await assert_released(pipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_on_a_gpu_auto_encodes_in_the_engine_process_as_the_serving_process_did() -> None:
+    """Greedy answers with the encoder beside the engine (auto on a GPU, its embeddings left on the
+    device) are those with the encoder on the device in the serving process."""
+    base = {**CONFIG, "device": "cuda", "engine_mode": "process", "preparation_mode": "thread"}
+    greedy = _bodies()[:2]
+    answers = []
+    with anyio.fail_after(300):
+        for placement in ("auto", "preparation"):
+            async with Pipeline(PipelineConfig(**base, vision_encoder_placement=placement)) as p:  # type: ignore[arg-type]
+                assert (p.encoder is None) == (placement == "auto")
+                results = [await (await p.submit(body)).result() for body in greedy]
+                answers.append([list(r.choices[0].token_ids) for r in results])
+                await assert_released(p)
+    assert answers[0] == answers[1]
