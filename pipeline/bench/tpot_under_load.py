@@ -91,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=PipelineConfig().engine_process_nice,
         help="engine_process_nice: the engine process's niceness (below 0 needs CAP_SYS_NICE)",
     )
+    parser.add_argument(
+        "--vision-encoder-placement",
+        choices=("auto", "preparation", "engine"),
+        default=PipelineConfig().vision_encoder_placement,
+        help="vision_encoder_placement of the engine-process runs (the engine-thread runs keep it in preparation)",
+    )
     parser.add_argument("--timeline", action="store_true", help="record engine steps; print what the decodes wait for")
     parser.add_argument("--out", default=None)
 
@@ -210,6 +216,7 @@ async def _measure(
         prefill_seqs_per_step=args.prefill_seqs_per_step,
         engine_process_nice=args.engine_nice,
         mixed_chunk_tokens=args.mixed_chunk_tokens,
+        vision_encoder_placement=args.vision_encoder_placement if engine_mode == "process" else "preparation",
     )
     async with Pipeline(config, tracer=tracer_for(args)) as pipe:
         await warm_up(pipe, warm_url)

@@ -11,7 +11,8 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("grammar", token, spec) ────────────▶ ◀── GrammarVerdict(token, backend or error)   (at admission:
                                              the compile overlaps preparation; ``engine_grammars``)
     ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, encode its images
-                                             (the vision encoder here: engine_images), find its grammar
+                                             (the vision encoder here, engine_images: one add's images
+                                             between two steps while sequences decode), find its grammar
                                              (compiled, or compiling: then add once it has, or at
                                              once when sent before its verdict), then add
     ("abort", request id) ───────────────▶   freed before the next step
@@ -39,6 +40,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,15 @@ def figures(engine: LLMEngine) -> tuple[dict[str, int], dict[str, int], dict[str
     return stats, held, prefix_figures(engine)
 
 
+@dataclass(eq=False)
+class _ToEncode:
+    """An add whose images wait for the encoder (their plan followed in the order the adds came)."""
+
+    inp: EngineInput
+    plan: ImagePlan
+    aborted: bool = False  # encoded all the same (the plan keeps its images for later requests), not added
+
+
 class _Waiting:
     """An add whose grammar is compiling."""
 
@@ -151,6 +162,10 @@ class EngineServer:
         self.grammars = EngineGrammars(spec.config, checkpoint, send=self.send, on_done=self._wake)
         self._waiting: dict[str, _Waiting] = {}
         self._failed: list[SeqOutput] = []  # adds that failed as they were read (their images did not encode)
+        # adds with images, in order, and the tokens of barriers sent after them: while sequences
+        # decode, one add's images are encoded between two steps, so a burst of images delays each
+        # step by one request's encodes, not all of them
+        self._to_encode: deque[_ToEncode | int] = deque()
         self._num_read = 0
         self._num_acked = 0  # the count of commands read that the serving process was last told
         self._sent_at = time.monotonic()
@@ -169,6 +184,7 @@ class EngineServer:
     def _figures(self) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
         stats, held, prefix = figures(self.engine)
         held["engine_requests"] += len(self._waiting)
+        held["engine_requests"] += sum(1 for e in self._to_encode if isinstance(e, _ToEncode) and not e.aborted)
         if self.images is not None:
             held["images_held"] = len(self.images.held)
         return stats, held, prefix
@@ -176,12 +192,13 @@ class EngineServer:
     def serve(self) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_work()
+            busy = engine.has_work() or bool(self._to_encode)
             owes = bool(self._waiting) or self.grammars.owes  # answers the serving process awaits
             # owed: wake when the next Alive is due (a command read meanwhile does not postpone it)
             timeout = 0.0 if busy else (max(0.0, self._sent_at + ALIVE_EVERY_S - time.monotonic()) if owes else None)
             if not self._read(timeout):
                 return
+            self._encode_queued(one_add=engine.has_work())
             outputs, self._failed = self._failed + self._admit_compiled(), []
             if engine.has_work():
                 outputs += engine.step()
@@ -218,15 +235,22 @@ class EngineServer:
             # copied out of the arena now: the acknowledgement of this command frees its region
             add = command[1]
             inp = decode_input(add, self.arena)
-            ready = self._encoded(inp, add.images) if add.images is not None else inp
-            if ready is not None:  # else it failed, as the next step's outputs say
-                self._add(ready)
+            if add.images is not None:
+                self._to_encode.append(_ToEncode(inp, add.images))
+            else:
+                self._add(inp)
         elif kind == "abort":
             request_id = command[1]
+            for queued in self._to_encode:
+                if isinstance(queued, _ToEncode) and queued.inp.request_id == request_id:
+                    queued.aborted = True
             if self._waiting.pop(request_id, None) is None:
                 self.engine.abort(request_id)  # a no-op for a request that finished
         elif kind == "barrier":
-            self.send(BarrierReached(command[1], self._num_read, *self._figures()))
+            if self._to_encode:  # handled once the adds before it are
+                self._to_encode.append(command[1])
+            else:
+                self.send(BarrierReached(command[1], self._num_read, *self._figures()))
         elif kind == "grammar":
             self.grammars.verdict(command[1], command[2])
         elif kind == "grammars_idle":
@@ -237,6 +261,24 @@ class EngineServer:
         elif kind == "stop":
             return False
         return True
+
+    def _encode_queued(self, *, one_add: bool) -> None:
+        """Encode the queued adds' images and add them, in order: every add while nothing decodes,
+        else up to the first whose pixels crossed (adds of held images only take no encoder time)."""
+        while self._to_encode:
+            queued = self._to_encode.popleft()
+            if isinstance(queued, int):
+                self.send(BarrierReached(queued, self._num_read, *self._figures()))
+                continue
+            started = time.perf_counter()
+            ready = self._encoded(queued.inp, queued.plan)
+            if ready is not None and not queued.aborted:
+                self._add(ready)
+            encoded = sum(queued.plan.send)
+            if encoded and self.spans is not None:
+                self.spans.span("vision encode", "engine", None, started, time.perf_counter(), images=encoded)
+            if encoded and one_add:
+                return
 
     def _encoded(self, inp: EngineInput, plan: ImagePlan) -> EngineInput | None:
         """``inp`` with its images' embeddings in; None: they could not be encoded (the request fails)."""

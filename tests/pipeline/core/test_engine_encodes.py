@@ -5,9 +5,11 @@ process is killed (its successor holds nothing, and the pixels cross again); not
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -18,6 +20,7 @@ from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.engine_images import ImageIndex
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import EngineFailed
+from pipeline.observability.trace import Tracer
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
@@ -168,3 +171,45 @@ async def test_on_a_gpu_auto_encodes_in_the_engine_process_as_the_serving_proces
                 answers.append([list(r.choices[0].token_ids) for r in results])
                 await assert_released(p)
     assert answers[0] == answers[1]
+
+
+async def test_while_sequences_decode_one_adds_images_are_encoded_between_two_steps(tmp_path: Path) -> None:
+    """A burst of image adds reaches the engine process while a request decodes: their encodes are
+    spread over its steps (never two adds' encodes back to back), one of them aborted while queued
+    is encoded all the same but never added, and the engine holds what the index says."""
+    tracer = Tracer()
+    config = PipelineConfig(
+        engine_mode="process", preparation_mode="thread", vision_encoder_placement="engine", **CONFIG
+    )
+    with anyio.fail_after(240):
+        async with Pipeline(config, tracer=tracer) as p:
+            engine, index = _engine(p)
+            bodies = [
+                image_request([data_url(encode(make_image(48, 32, seed=60 + i)))], max_tokens=4) for i in range(4)
+            ]
+            inputs = [await p.prepare(body) for body in bodies]
+            long = await p.submit(
+                {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
+            )
+            stream = long.__aiter__()
+            await stream.__anext__()  # it decodes
+            streams = []
+            for inp in inputs:  # one after the other, no turn of the loop between them
+                streams.append(engine.submit(inp))
+            engine.abort(inputs[1].request_id)
+            for i, out in enumerate(streams):
+                if i != 1:
+                    async for _output in out:
+                        pass
+            long.cancel()
+            await assert_released(p)
+            assert await _held(engine) == len(index) == 4
+    tracer.write(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    engine_spans = sorted(
+        (e for e in events if e.get("ph") == "X" and e["cat"] in ("step", "engine")), key=lambda e: e["ts"]
+    )
+    names = [e["name"] for e in engine_spans if e["cat"] == "step" or e["name"] == "vision encode"]
+    encodes = [i for i, name in enumerate(names) if name == "vision encode"]
+    assert len(encodes) == 4  # the aborted add's image too
+    assert all(later - earlier > 1 for earlier, later in zip(encodes, encodes[1:], strict=False))
