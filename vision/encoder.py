@@ -85,10 +85,9 @@ class VisionEncoder:
     def hidden_size(self) -> int:
         return self.text_hidden_size
 
-    def encode(self, images: list[PreparedImage], *, on_device: bool = False) -> list[torch.Tensor]:
+    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """One tensor ``[num_patches, hidden]`` per image (DeepStack features packed beside: see
-        the module's docstring), on the CPU in the model's dtype (``on_device``: left on the encoder's
-        device, for a decoder there).
+        the module's docstring), on the CPU in the model's dtype.
 
         The tower runs once per image: transformers' Pixtral tower packs a batch into one sequence
         under a block-diagonal mask, so its attention cost grows with the square of the whole
@@ -96,8 +95,7 @@ class VisionEncoder:
         The stage's micro-batch still saves thread hops and keeps the work in one call.
         """
         with torch.inference_mode():
-            rows = [self._encode_one(image) for image in images]
-        return rows if on_device else [r.to("cpu") for r in rows]
+            return [self._encode_one(image).to("cpu") for image in images]
 
     def _encode_one(self, image: PreparedImage) -> torch.Tensor:
         if image.pixel_values is None:

@@ -39,6 +39,7 @@ from pipeline.core.engine_wire import (
     ImagesLost,
     Step,
     StepTimeline,
+    check_crossable,
     encode_input,
 )
 from pipeline.errors import EngineFailed
@@ -116,7 +117,10 @@ class ProcessEngine(EngineSupervisor):
         await self.room.wait()
 
     def _has_room(self) -> bool:
-        return self._num_sent - self._num_acked < self.queue_size  # an acknowledgement calls notify
+        # adds read whose images wait for the engine's encoder count as unread: a burst of images
+        # backs up here (and at admission), as it would before an encoder in this process
+        unread = self._num_sent - self._num_acked + self._held.get("encodes_queued", 0)
+        return unread < self.queue_size  # an acknowledgement calls notify
 
     def _check_serving(self) -> None:
         link = self._link
@@ -140,7 +144,8 @@ class ProcessEngine(EngineSupervisor):
         if inp.image_pixels:
             if self.images is None:
                 raise ValueError("image pixels sent to an engine process that does not encode images")
-            plan = self.images.plan(inp.image_keys, self._num_sent + 1)  # the index counts it read from here
+            check_crossable(inp)  # before the plan: once planned, the index counts the add as sent
+            plan = self.images.plan(inp.image_keys, self._num_sent + 1)
         add = encode_input(inp, self._arena, plan)
         if add.shared is not None and self._arena is not None:
             self._arena.hold_until(self._num_sent + 1)  # freed once the engine has read this add

@@ -134,22 +134,21 @@ class EngineImages:
         todo = [i for i, send in enumerate(plan.send) if send]
         try:
             images = [PreparedImage(inp.image_pixels[i], _grid(keys[i])) for i in todo]
-            # on the decoder's device (a GPU's embeddings stay there, in the cache as in the prefill)
-            rows_of = self.encoder.encode(images, on_device=True)
-            encoded = dict(zip((keys[i].content_hash for i in todo), rows_of, strict=True))
+            encoded = dict(zip((keys[i].content_hash for i in todo), self.encoder.encode(images), strict=True))
             rows = [encoded[k.content_hash] if k.content_hash in encoded else self._held(k.content_hash) for k in keys]
+            embeds, deepstack = split_deepstack(rows[0] if len(rows) == 1 else torch.cat(rows), self.hidden_size)
+            extra = {"deepstack_visual_embeds": deepstack} if deepstack is not None else {}
+            ready = dataclasses.replace(inp, image_embeds=embeds, image_pixels=[], extra_prefill=extra)
         except Exception:
             self._drop(plan.drop)  # what the index dropped goes whatever happened to the add
             raise
+        # only now that the add is whole: a failed one keeps nothing (the index forgets what it kept)
         self.num_encoded += len(todo)
         for i, keep in enumerate(plan.keep):
             if keep:
                 self.held[keys[i].content_hash] = encoded[keys[i].content_hash]
         self._drop(plan.drop)  # after keeping: an image kept and evicted within one add is not held
-        embeds = rows[0] if len(rows) == 1 else torch.cat(rows)
-        embeds, deepstack = split_deepstack(embeds, self.hidden_size)
-        extra = {"deepstack_visual_embeds": deepstack} if deepstack is not None else {}
-        return dataclasses.replace(inp, image_embeds=embeds, image_pixels=[], extra_prefill=extra)
+        return ready
 
     def _held(self, content_hash: str) -> torch.Tensor:
         held = self.held.get(content_hash)

@@ -11,8 +11,8 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
     ("grammar", token, spec) ────────────▶ ◀── GrammarVerdict(token, backend or error)   (at admission:
                                              the compile overlaps preparation; ``engine_grammars``)
     ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, encode its images
-                                             (the vision encoder here, engine_images: one add's images
-                                             between two steps while sequences decode), find its grammar
+                                             (the vision encoder here, engine_images: just in time, as
+                                             the scheduler's waiting line empties), find its grammar
                                              (compiled, or compiling: then add once it has, or at
                                              once when sent before its verdict), then add
     ("abort", request id) ───────────────▶   freed before the next step
@@ -32,6 +32,7 @@ serving process dies (``PR_SET_PDEATHSIG``), so it is never left behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -41,6 +42,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,10 +125,11 @@ def figures(engine: LLMEngine) -> tuple[dict[str, int], dict[str, int], dict[str
 
 @dataclass(eq=False)
 class _ToEncode:
-    """An add whose images wait for the encoder (their plan followed in the order the adds came)."""
+    """An add whose images wait for the encoder (their plans are followed in the order the adds came)."""
 
     inp: EngineInput
     plan: ImagePlan
+    command: int  # the add's command number (what ``ImagesLost`` names)
     aborted: bool = False  # encoded all the same (the plan keeps its images for later requests), not added
 
 
@@ -162,10 +165,11 @@ class EngineServer:
         self.grammars = EngineGrammars(spec.config, checkpoint, send=self.send, on_done=self._wake)
         self._waiting: dict[str, _Waiting] = {}
         self._failed: list[SeqOutput] = []  # adds that failed as they were read (their images did not encode)
-        # adds with images, in order, and the tokens of barriers sent after them: while sequences
-        # decode, one add's images are encoded between two steps, so a burst of images delays each
-        # step by one request's encodes, not all of them
-        self._to_encode: deque[_ToEncode | int] = deque()
+        # adds with images, in order, and the answers owed to the barriers and idle checks sent after
+        # them (``_encode_queued`` says when they are encoded)
+        self._to_encode: deque[_ToEncode | Callable[[], None]] = deque()
+        self._max_waiting = max(1, spec.config.prefill_seqs_per_step)
+        self._queued_said = 0  # encodes queued, as the serving process was last told (it bounds its adds by it)
         self._num_read = 0
         self._num_acked = 0  # the count of commands read that the serving process was last told
         self._sent_at = time.monotonic()
@@ -187,7 +191,11 @@ class EngineServer:
         held["engine_requests"] += sum(1 for e in self._to_encode if isinstance(e, _ToEncode) and not e.aborted)
         if self.images is not None:
             held["images_held"] = len(self.images.held)
+            held["encodes_queued"] = self._queued_said = self._num_queued()
         return stats, held, prefix
+
+    def _num_queued(self) -> int:
+        return sum(1 for e in self._to_encode if isinstance(e, _ToEncode))
 
     def serve(self) -> None:
         engine = self.engine
@@ -198,12 +206,12 @@ class EngineServer:
             timeout = 0.0 if busy else (max(0.0, self._sent_at + ALIVE_EVERY_S - time.monotonic()) if owes else None)
             if not self._read(timeout):
                 return
-            self._encode_queued(one_add=engine.has_work())
+            self._encode_queued()
             outputs, self._failed = self._failed + self._admit_compiled(), []
             if engine.has_work():
                 outputs += engine.step()
             spans = self.spans.take() if self.spans is not None else []
-            if outputs or spans:
+            if outputs or spans or self._queued_said != self._num_queued():
                 self.send(Step(outputs, self._num_read, *self._figures(), spans=spans))
             elif self._num_read != self._num_acked or (
                 (busy or owes) and time.monotonic() - self._sent_at >= ALIVE_EVERY_S
@@ -236,7 +244,7 @@ class EngineServer:
             add = command[1]
             inp = decode_input(add, self.arena)
             if add.images is not None:
-                self._to_encode.append(_ToEncode(inp, add.images))
+                self._to_encode.append(_ToEncode(inp, add.images, self._num_read))
             else:
                 self._add(inp)
         elif kind == "abort":
@@ -247,14 +255,11 @@ class EngineServer:
             if self._waiting.pop(request_id, None) is None:
                 self.engine.abort(request_id)  # a no-op for a request that finished
         elif kind == "barrier":
-            if self._to_encode:  # handled once the adds before it are
-                self._to_encode.append(command[1])
-            else:
-                self.send(BarrierReached(command[1], self._num_read, *self._figures()))
+            self._after_queued(functools.partial(self._barrier, command[1]))
         elif kind == "grammar":
             self.grammars.verdict(command[1], command[2])
-        elif kind == "grammars_idle":
-            self.grammars.idle(command[1])
+        elif kind == "grammars_idle":  # an add still queued may start a compile when it is added
+            self._after_queued(functools.partial(self.grammars.idle, command[1]))
         elif kind == "timeline":
             since = command[2]
             self.send(StepTimeline(command[1], steps_since(self.engine.timeline, since)))
@@ -262,26 +267,46 @@ class EngineServer:
             return False
         return True
 
-    def _encode_queued(self, *, one_add: bool) -> None:
-        """Encode the queued adds' images and add them, in order: every add while nothing decodes,
-        else up to the first whose pixels crossed (adds of held images only take no encoder time)."""
+    def _barrier(self, token: int) -> None:
+        if self._failed:  # the adds before the barrier that failed say so first
+            failed, self._failed = self._failed, []
+            self.send(Step(failed, self._num_read, *self._figures()))
+        self.send(BarrierReached(token, self._num_read, *self._figures()))
+
+    def _after_queued(self, answer: Callable[[], None]) -> None:
+        """Run ``answer`` once the adds queued before it are encoded and added (now if none is)."""
+        if self._to_encode:
+            self._to_encode.append(answer)
+        else:
+            answer()
+
+    def _encode_queued(self) -> None:
+        """Encode the next queued add's images and add it, just in time: once the scheduler has fewer
+        than ``prefill_seqs_per_step`` requests waiting for their prefill. So requests wait here with
+        their pixels (in host memory) rather than with their embeddings, and a burst of images delays
+        a step by one request's encodes at most (adds of held images only need no encoder)."""
         while self._to_encode:
-            queued = self._to_encode.popleft()
-            if isinstance(queued, int):
-                self.send(BarrierReached(queued, self._num_read, *self._figures()))
+            queued = self._to_encode[0]
+            if not isinstance(queued, _ToEncode):
+                self._to_encode.popleft()
+                queued()
                 continue
+            if len(self.engine.scheduler.waiting) >= self._max_waiting:
+                return
+            self._to_encode.popleft()
             started = time.perf_counter()
-            ready = self._encoded(queued.inp, queued.plan)
+            ready = self._encoded(queued)
             if ready is not None and not queued.aborted:
                 self._add(ready)
             encoded = sum(queued.plan.send)
-            if encoded and self.spans is not None:
-                self.spans.span("vision encode", "engine", None, started, time.perf_counter(), images=encoded)
-            if encoded and one_add:
+            if encoded:
+                if self.spans is not None:
+                    self.spans.span("vision encode", "engine", None, started, time.perf_counter(), images=encoded)
                 return
 
-    def _encoded(self, inp: EngineInput, plan: ImagePlan) -> EngineInput | None:
-        """``inp`` with its images' embeddings in; None: they could not be encoded (the request fails)."""
+    def _encoded(self, queued: _ToEncode) -> EngineInput | None:
+        """The add's input with its images' embeddings in; None: they could not be encoded (the request fails)."""
+        inp, plan = queued.inp, queued.plan
         try:
             if self.images is None:
                 raise RuntimeError("this engine process has no vision encoder")
@@ -292,7 +317,7 @@ class EngineServer:
             self._failed += _error_outputs(inp, message)
             lost = [key.content_hash for key, keep in zip(inp.image_keys, plan.keep, strict=True) if keep]
             if lost:  # the serving process's index counts them held: it forgets them
-                self.send(ImagesLost(self._num_read, lost))
+                self.send(ImagesLost(queued.command, lost))
             return None
 
     def _add(self, inp: EngineInput) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "StepTimeline",
     "TracedSpan",
     "decode_input",
+    "check_crossable",
     "encode_command",
     "encode_input",
     "frame",
@@ -200,22 +201,27 @@ def _tensor(raw: Raw) -> torch.Tensor:
     return flat.view(getattr(torch, dtype_name)).view(shape)
 
 
+def check_crossable(inp: EngineInput) -> None:
+    """:raises ValueError: ``inp`` cannot cross: a grammar without its source, or an image without pixels."""
+    if inp.grammar is not None and inp.grammar_source is None:
+        raise ValueError("a grammar without its source cannot cross to the engine process")
+    if any(p is None for p in inp.image_pixels):
+        raise ValueError("an image without its pixels cannot cross to the engine process")
+
+
 def encode_input(inp: EngineInput, arena: EngineArena | None = None, images: ImagePlan | None = None) -> AddCommand:
     """What crosses for ``inp`` (its compiled grammar stays: the engine process compiles its source).
 
     Its tensors go into ``arena`` when given and they fit there, else inline in the frame. ``images``:
     the plan of ``inp``'s ``image_pixels`` (only the pixels it sends cross).
 
-    :raises ValueError: ``inp`` has a grammar but not its source, or pixels but no plan.
+    :raises ValueError: ``inp`` cannot cross (``check_crossable``), or has pixels but no plan.
     """
-    if inp.grammar is not None and inp.grammar_source is None:
-        raise ValueError("a grammar without its source cannot cross to the engine process")
+    check_crossable(inp)
     if bool(inp.image_pixels) != (images is not None):
         raise ValueError("an add's image pixels cross with their plan, and only then")
     values = {name: getattr(inp, name) for name in _KEPT}
     sent = {i: p for i, p in enumerate(inp.image_pixels) if images is not None and images.send[i] and p is not None}
-    if images is not None and len(sent) != sum(images.send):
-        raise ValueError("the plan sends the pixels of an image the request has none of")
     if arena is not None and (inp.image_embeds is not None or sent):
         tensors = {"image_embeds": inp.image_embeds} if inp.image_embeds is not None else {}
         tensors |= {_EXTRA + k: v for k, v in inp.extra_prefill.items()}

@@ -117,6 +117,11 @@ class ImageSteps:
         await run_each(decode_one, len(todo))
         out.data = []  # the encoded bytes are no longer needed: free them early
         out.images = [found[h] if h in found else decoded[h] for h in out.hashes]
+        if self.vision is None and self.cache is not None:  # the engine process encodes: pixels are all
+            for h, image in decoded.items():  # the cache keeps, so those waiting have them now
+                flight = out.flights.pop(h, None)
+                if flight is not None:
+                    self.cache.fulfil(flight, image)
 
     async def vision_step(self, out: RequestImages) -> None:
         if not out.images:
@@ -142,15 +147,10 @@ class ImageSteps:
         out.images = []
 
     def _pixels_for_engine(self, out: RequestImages) -> None:
-        """The engine process encodes: the request carries its images' pixels, and those it decoded
-        for others are theirs now (the cache keeps pixels)."""
-        images: list[PreparedImage] = []
-        for h, im in zip(out.hashes, out.images, strict=True):
-            assert isinstance(im, PreparedImage)  # no encoder here: nothing is cached encoded
-            flight = out.flights.pop(h, None)
-            if flight is not None and self.cache is not None:
-                self.cache.fulfil(flight, im)
-            images.append(im)
+        """The engine process encodes: the request carries its images' pixels (the decode step gave
+        those it decoded to the requests that waited for them)."""
+        images = [im for im in out.images if isinstance(im, PreparedImage)]
+        assert len(images) == len(out.images)  # no encoder here: nothing is cached encoded
         out.pixels = [im.pixel_values for im in images]
         out.keys = [ImageKey(h, im.num_patches, im.grid_thw) for h, im in zip(out.hashes, images, strict=True)]
         out.images = []

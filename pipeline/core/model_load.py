@@ -44,7 +44,7 @@ def load_model(config: PipelineConfig, *, with_engine: bool, tracer: Tracer | No
     if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
         fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
     # with the encoder in the engine process, this process loads none (nor, on a GPU, a CUDA context for it)
-    encodes_here = ck.vision_config is not None and not config.encoder_in_engine()
+    encodes_here = ck.vision_config is not None and not (with_engine and config.encoder_in_engine())
     encoder = VisionEncoder(ck, device=device) if encodes_here else None
     engine = build_engine(ck, config, device=device, tracer=tracer) if with_engine else None
     grammar: GrammarStage | RemoteGrammarStage

@@ -5,6 +5,7 @@ process is killed (its successor holds nothing, and the pixels cross again); not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ from pipeline.core.engine_images import ImageIndex
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import EngineFailed
 from pipeline.observability.trace import Tracer
+from sampling.inputs import EngineInput
+from sampling.params import SamplingParams
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
@@ -158,8 +161,8 @@ async def test_a_killed_engine_process_holds_nothing_and_the_pixels_cross_again(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_on_a_gpu_auto_encodes_in_the_engine_process_as_the_serving_process_did() -> None:
-    """Greedy answers with the encoder beside the engine (auto on a GPU, its embeddings left on the
-    device) are those with the encoder on the device in the serving process."""
+    """Greedy answers with the encoder beside the engine (auto on a GPU) are those with the encoder
+    on the device in the serving process."""
     base = {**CONFIG, "device": "cuda", "engine_mode": "process", "preparation_mode": "thread"}
     greedy = _bodies()[:2]
     answers = []
@@ -213,3 +216,60 @@ async def test_while_sequences_decode_one_adds_images_are_encoded_between_two_st
     encodes = [i for i, name in enumerate(names) if name == "vision encode"]
     assert len(encodes) == 4  # the aborted add's image too
     assert all(later - earlier > 1 for earlier, later in zip(encodes, encodes[1:], strict=False))
+
+
+async def test_an_image_that_fails_to_encode_fails_its_request_and_is_not_counted_held() -> None:
+    """An add whose image does not encode (its pixels broken), read by the engine process together
+    with later commands while a request decodes: its request fails, the index forgets the image it
+    had the engine keep (the failure names the add, not the commands read since), and the next
+    request with that image is served."""
+    config = PipelineConfig(
+        engine_mode="process", preparation_mode="thread", vision_encoder_placement="engine", **CONFIG
+    )
+    with anyio.fail_after(240):
+        async with Pipeline(config) as p:
+            engine, index = _engine(p)
+            body = image_request([data_url(encode(make_image(48, 32, seed=5)))], max_tokens=2, temperature=0)
+            good = await p.prepare(body)
+            broken = dataclasses.replace(good, request_id="broken", image_pixels=[torch.zeros(1, 2, 3)])
+            text = [EngineInput(f"t{i}", [1, 2, 3], -1, None, SamplingParams(max_tokens=2)) for i in range(2)]
+            counting = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
+            long = await p.submit(counting)
+            stream = long.__aiter__()
+            await stream.__anext__()  # it decodes
+            streams = [engine.submit(inp) for inp in [broken, *text]]  # one turn of the loop: read together
+            errors = [out.error async for out in streams[0]]
+            assert errors and all(e is not None and "could not encode" in e for e in errors)
+            for out in streams[1:]:
+                async for _output in out:
+                    pass
+            long.cancel()
+            assert await _held(engine) == len(index) == 0
+            result = await (await p.submit(body)).result()
+            assert result.completion_tokens == 2 and await _held(engine) == len(index) == 1
+            await assert_released(p)
+
+
+async def test_adds_whose_images_wait_for_the_encoder_count_against_the_engine_queue() -> None:
+    """With room for one unread command, a burst of image requests beside a decode waits for room
+    (the engine process says how many adds wait for its encoder) and every request is served."""
+    config = PipelineConfig(
+        engine_mode="process",
+        preparation_mode="thread",
+        vision_encoder_placement="engine",
+        engine_queue_size=1,
+        **CONFIG,
+    )
+    with anyio.fail_after(240):
+        async with Pipeline(config) as p:
+            counting = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
+            long = await p.submit(counting)
+            stream = long.__aiter__()
+            await stream.__anext__()  # it decodes
+            urls = [data_url(encode(make_image(48, 32, seed=70 + i))) for i in range(5)]
+            handles = [await p.submit(image_request([url], max_tokens=3, temperature=0)) for url in urls]
+            # none is refused or left waiting: the count of adds waiting for the encoder reaches here
+            # with every change of it, so room comes back as they are encoded
+            assert [(await h.result()).completion_tokens for h in handles] == [3] * 5
+            long.cancel()
+            await assert_released(p)

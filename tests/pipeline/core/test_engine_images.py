@@ -133,3 +133,30 @@ def test_an_image_that_fails_to_encode_changes_nothing_held(
 
 def _fields(inp: EngineInput) -> dict[str, object]:
     return {name: getattr(inp, name) for name in EngineInput.__dataclass_fields__ if not name.startswith("_")}
+
+
+def test_an_add_that_fails_after_its_encode_keeps_nothing_and_still_drops(
+    checkpoint: Checkpoint, encoder: VisionEncoder, images: dict[str, PreparedImage]
+) -> None:
+    """Its rows do not match its prompt (the input is checked once they are in): none of its images
+    is kept, and what the index dropped with it is dropped."""
+    row_bytes = embedding_row_bytes(checkpoint, "cpu")
+    # either image fits alone, not both
+    index = ImageIndex(
+        max_bytes=max(images["h0"].num_patches, images["h2"].num_patches) * row_bytes, row_bytes=row_bytes
+    )
+    engine = EngineImages(encoder, int(checkpoint.text_config.hidden_size))
+    image_token = checkpoint.image_token_id
+    assert image_token is not None
+    first = _input("first", ["h0"], images, image_token)
+    engine.resolve(first, index.plan(first.image_keys, 1))
+    assert sorted(engine.held) == ["h0"]
+    inp = _input("short", ["h2"], images, image_token)  # too big to keep beside h0: h0 is dropped
+    wrong = dataclasses.replace(inp.image_keys[0], num_tokens=inp.image_keys[0].num_tokens - 1)
+    prompt = [1] + [image_token] * wrong.num_tokens + [2]
+    short = EngineInput(**{**_fields(inp), "prompt_token_ids": prompt, "image_keys": [wrong]})
+    plan = index.plan(short.image_keys, 2)
+    assert plan.keep == (True,) and plan.drop == ("h0",)
+    with pytest.raises(ValueError, match="embedding rows"):
+        engine.resolve(short, plan)
+    assert engine.held == {} and engine.num_encoded == 1
