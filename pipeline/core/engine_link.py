@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -45,8 +45,9 @@ class _Protocol(asyncio.Protocol):
         self.reader = FrameReader()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        self.link._transport = transport
+        # a cast, not an isinstance check: uvloop's transports (Ray Serve runs its replicas on
+        # uvloop) are not registered with asyncio's transport classes
+        self.link._transport = cast(asyncio.WriteTransport, transport)
 
     def data_received(self, data: bytes) -> None:
         for body in self.reader.feed(data):
