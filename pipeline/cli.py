@@ -273,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--prep-workers", type=int, default=0, help="worker processes (0: from the core count)")
     s.add_argument(
         "--engine-mode",
-        choices=("thread", "process"),
+        choices=("process", "thread"),
         default=_default("engine_mode"),
-        help="the decode engine on a thread of the server or in its own process (default: %(default)s)",
+        help="the decode engine in its own process, or on a thread of the server: one process (default: %(default)s)",
     )
     s.add_argument("--demo", action="store_true", help="send one image + JSON-schema request at start")
     s.add_argument("--once", action="store_true", help="run the demo request and exit")

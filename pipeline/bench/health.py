@@ -39,10 +39,10 @@ from pipeline.bench.common import (
 
 __all__ = ["add_arguments", "run"]
 
-# the pipeline as configured (preparation in worker processes, the engine on a thread); the same with
-# the engine in its own process; preparation in its bounded threads; a thread per request (unbounded
-# pool); all on the loop
-MODES = ("pipeline", "engine-process", "threads", "unbounded", "inline")
+# the pipeline as configured (preparation in worker processes, the engine in its own process); the same
+# with the engine on a thread of the server; preparation in its bounded threads; a thread per request
+# (unbounded pool); all on the loop
+MODES = ("pipeline", "engine-thread", "threads", "unbounded", "inline")
 IMAGES = ("distinct", "repeated")
 
 
@@ -65,8 +65,8 @@ class _Server:
             args += ["--trace", trace]
         args += list(extra)
         args += ["--max-pending", str(burst * 2), "--stage-queue-size", str(burst * 2)]
-        if mode == "engine-process":
-            args += ["--engine-mode", "process"]
+        if mode == "engine-thread":
+            args += ["--engine-mode", "thread"]
         elif mode == "inline":
             args += ["--inline-preparation", "--preparation-mode", "thread"]
         elif mode == "threads":
@@ -238,8 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {k: median([r[k] for r in runs]) for k in ("p50_ms", "p99_ms", "max_ms", "req_per_s", "ok")}
 
     labels = {
-        "pipeline": "pipeline (worker processes)",
-        "engine-process": "pipeline, engine process",
+        "pipeline": "pipeline (worker processes, engine process)",
+        "engine-thread": "pipeline, engine thread",
         "threads": "bounded threads",
         "unbounded": "unbounded threads",
         "inline": "inline baseline",
@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def figures_of(kind: str) -> dict[str, float]:
         out: dict[str, float] = {}
-        # the pipeline's keys bare, the others' prefixed (as before the engine process joined)
-        prefixes = {"pipeline": "", "engine-process": "engine_process_", "threads": "threads_"}
+        # the pipeline's keys bare, the others' prefixed
+        prefixes = {"pipeline": "", "engine-thread": "engine_thread_", "threads": "threads_"}
         prefixes |= {"inline": "baseline_", "unbounded": "unbounded_"}
         for mode in modes:
             s = summary(mode, kind)
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     def plot(ax: Any) -> None:
-        styles = {"pipeline": "-", "engine-process": "-", "threads": "-.", "unbounded": "--", "inline": ":"}
+        styles = {"pipeline": "-", "engine-thread": "-", "threads": "-.", "unbounded": "--", "inline": ":"}
         for mode in modes:
             style = styles[mode]
             samples: list[tuple[float, float]] = results[mode, kinds[0]][-1]["samples"]  # type: ignore[assignment]

@@ -26,7 +26,12 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=32, help="max_pending_requests of the pipeline")
     parser.add_argument("--factor", type=int, default=10)
-    parser.add_argument("--engine-mode", choices=("thread", "process"), default=PipelineConfig().engine_mode)
+    parser.add_argument(
+        "--engine-mode",
+        choices=("process", "thread"),
+        default=PipelineConfig().engine_mode,
+        help="the engine in its own process or on a thread (default: %(default)s)",
+    )
     parser.add_argument(
         "--engine-queue-size",
         type=int,

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None)
 
 
-def _descendants(root: int) -> list[int]:
+def _descendants(root: int) -> list[tuple[int, int]]:
+    """Every process under ``root`` with its parent, each after its parent."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,17 +49,20 @@ def _descendants(root: int) -> list[int]:
         parents.setdefault(ppid, []).append(int(entry))
     out, todo = [], [root]
     while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
+        parent = todo.pop()
+        for child in parents.get(parent, []):
+            out.append((child, parent))
             todo.append(child)
     return out
 
 
 def _cpu_by_role() -> dict[str, float]:
-    """CPU seconds so far of every process this one started (the cluster), by role."""
+    """CPU seconds so far of every process this one started (the cluster), by role; a replica's own
+    children (its engine process, its preparation workers) count as the replica's."""
     tick = os.sysconf("SC_CLK_TCK")
     cpu = dict.fromkeys([*ROLES, "other"], 0.0)
-    for pid in _descendants(os.getpid()):
+    replicas: set[int] = set()
+    for pid, parent in _descendants(os.getpid()):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -67,6 +71,9 @@ def _cpu_by_role() -> dict[str, float]:
         except OSError:
             continue
         role = next((r for r, mark in ROLES.items() if mark in title), "other")
+        if role == "replicas" or parent in replicas:
+            role = "replicas"
+            replicas.add(pid)
         cpu[role] += (int(fields[11]) + int(fields[12])) / tick
     return cpu
 
