@@ -27,7 +27,9 @@ def plain_tags_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(folder: Path) -> PipelineConfig:
-    return PipelineConfig(model=str(folder), device="cpu", max_running_seqs=2, num_kv_blocks=160, max_model_len=1536)
+    return PipelineConfig(
+        model=str(folder), device="cpu", max_running_seqs=2, num_kv_blocks=160, max_model_len=1536, engine_mode="thread"
+    )
 
 
 def _bias(tokenizer: Any, pick: Callable[[str], bool], value: int) -> dict[str, int]:

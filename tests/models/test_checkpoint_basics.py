@@ -32,6 +32,7 @@ def small_config(model: Path, **overrides: Any) -> PipelineConfig:
         "max_running_seqs": 4,
         "num_kv_blocks": 64,
         "max_model_len": 512,
+        "engine_mode": "thread",
         **overrides,
     }
     return PipelineConfig(**kwargs)

@@ -298,7 +298,12 @@ async def test_a_guided_answer_about_an_image_validates(folder: Path) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
     )
     config = PipelineConfig(
-        model=str(folder), device="cpu", preparation_mode="thread", max_running_seqs=4, num_kv_blocks=64
+        model=str(folder),
+        device="cpu",
+        preparation_mode="thread",
+        max_running_seqs=4,
+        num_kv_blocks=64,
+        engine_mode="thread",
     )
     with anyio.fail_after(120):
         async with Pipeline(config) as pipe:

@@ -244,7 +244,13 @@ async def test_one_image_answers_as_generate_and_a_guided_answer_validates(famil
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
     }
     config = PipelineConfig(
-        model=str(folder), device="cpu", max_running_seqs=4, num_kv_blocks=64, max_model_len=512, prep_workers=1
+        model=str(folder),
+        device="cpu",
+        max_running_seqs=4,
+        num_kv_blocks=64,
+        max_model_len=512,
+        prep_workers=1,
+        engine_mode="thread",
     )
     with anyio.fail_after(180):
         async with Pipeline(config) as pipe:
@@ -276,6 +282,7 @@ async def qwen25_vl(request: pytest.FixtureRequest, family_dir: FamilyDir) -> As
         preparation_mode=request.param,
         prep_workers=1,
         num_kv_blocks=16,
+        engine_mode="thread",
     )
     async with Pipeline(config) as pipe:
         yield pipe

@@ -42,9 +42,12 @@ def bloom_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_a_model_whose_attention_bypasses_the_interface_fails_at_start(
     bloom_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a registry row lets it past the registry, as one added for it would: the adapter must refuse it
+    # a registry row lets it past the registry, as one added for it would: the adapter must refuse it.
+    # The row is added in this process only, so the engine runs here, on its thread
     monkeypatch.setitem(FAMILIES, BLOOM, Family("Bloom"))
-    config = PipelineConfig(model=str(bloom_dir), device="cpu", max_running_seqs=2, num_kv_blocks=16, max_model_len=64)
+    config = PipelineConfig(
+        model=str(bloom_dir), device="cpu", max_running_seqs=2, num_kv_blocks=16, max_model_len=64, engine_mode="thread"
+    )
     with anyio.fail_after(120), pytest.raises(UnsupportedModel) as caught:
         async with Pipeline(config):
             pass

@@ -34,7 +34,13 @@ SCHEMA = {
 
 
 def _config(folder: Path, **overrides: Any) -> PipelineConfig:
-    kwargs: dict[str, Any] = {"device": "cpu", "max_running_seqs": 4, "num_kv_blocks": 64, "max_model_len": 512}
+    kwargs: dict[str, Any] = {
+        "device": "cpu",
+        "max_running_seqs": 4,
+        "num_kv_blocks": 64,
+        "max_model_len": 512,
+        "engine_mode": "thread",
+    }
     return PipelineConfig(model=str(folder), **{**kwargs, **overrides})
 
 

@@ -24,7 +24,9 @@ ARGUMENTS_KEY = {"qwen3": "arguments", "llama3.1": "parameters", "qwen2.5-vl": "
 
 
 def _config(folder: Path) -> PipelineConfig:
-    return PipelineConfig(model=str(folder), device="cpu", max_running_seqs=2, num_kv_blocks=160, max_model_len=1536)
+    return PipelineConfig(
+        model=str(folder), device="cpu", max_running_seqs=2, num_kv_blocks=160, max_model_len=1536, engine_mode="thread"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -85,7 +85,9 @@ async def test_streamed_tool_calls_assemble_to_the_whole_answer(
     extra = dict(CASES[case])
     family = extra.pop("family")
     folder = plain_tags_dir if family == "plain-tags" else family_dir(family)
-    config = PipelineConfig(model=str(folder), device="cpu", max_running_seqs=2, num_kv_blocks=160, max_model_len=1536)
+    config = PipelineConfig(
+        model=str(folder), device="cpu", max_running_seqs=2, num_kv_blocks=160, max_model_len=1536, engine_mode="thread"
+    )
     with anyio.fail_after(240):
         async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
             body = {"model": pipe.model_name, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 160, "temperature": 0}

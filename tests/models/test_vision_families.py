@@ -72,6 +72,7 @@ async def test_answers_about_two_images_and_text_are_transformers_own(
         max_running_seqs=4,
         num_kv_blocks=64,
         max_model_len=512,
+        engine_mode="thread",
     )
     with anyio.fail_after(180):
         async with Pipeline(config) as pipe:

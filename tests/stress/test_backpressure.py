@@ -136,7 +136,9 @@ async def test_max_pending_requests_is_the_bound_that_decides() -> None:
 
 
 async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
-    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode=THREADS)
+    config = PipelineConfig(
+        max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode=THREADS, engine_mode="thread"
+    )
     async with Pipeline(config) as pipe:
         handle = await pipe.submit(
             {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "ignore_eos": True}
@@ -154,7 +156,9 @@ async def test_requests_cut_by_a_shutdown_get_a_503_that_says_so() -> None:
 
 async def test_a_sequence_that_may_outgrow_the_whole_kv_cache_is_a_400() -> None:
     # 8 blocks of 16: 128 tokens of cache under a max_model_len of 512
-    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=8, max_model_len=512, preparation_mode=THREADS)
+    config = PipelineConfig(
+        max_running_seqs=2, num_kv_blocks=8, max_model_len=512, preparation_mode=THREADS, engine_mode="thread"
+    )
     async with Pipeline(config) as pipe:
         body = {"messages": [{"role": "user", "content": "go"}], "ignore_eos": True}
         with pytest.raises(PromptTooLong) as info:

@@ -177,6 +177,7 @@ async def serving_pipeline(mode: str) -> AsyncIterator[tuple[str, Pipeline]]:
         num_kv_blocks=256,
         max_model_len=2048,
         preparation_mode=mode,
+        engine_mode="thread",
     )
     async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
         yield base, pipe

@@ -106,6 +106,7 @@ async def served() -> AsyncIterator[tuple[str, Pipeline]]:
         max_model_len=512,
         preparation_mode="thread",
         grammar_compile_timeout_s=120,
+        engine_mode="thread",
     )
     async with Pipeline(config) as pipe, serving(create_app(pipe)) as base:
         yield base, pipe

@@ -82,6 +82,7 @@ def _config(**changes: Any) -> PipelineConfig:
         max_running_seqs=8,
         num_kv_blocks=512,
         max_model_len=4096,
+        engine_mode="thread",
     )
     return replace(config, **changes)
 

@@ -40,7 +40,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 async def server() -> AsyncIterator[Server]:
-    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread")
+    config = PipelineConfig(
+        max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread", engine_mode="thread"
+    )
     async with Pipeline(config) as pipe, listen(create_app(pipe), limits=ONE_AT_A_TIME) as listener:
         yield Server(pipe, listener)
 

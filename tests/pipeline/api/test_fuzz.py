@@ -76,6 +76,7 @@ async def target() -> AsyncIterator[Target]:
         fetch_total_timeout_s=1.0,
         grammar_compile_timeout_s=5.0,
         preparation_mode="thread",  # drawn images never decode: workers would start for nothing
+        engine_mode="thread",
     )
     async with (
         Pipeline(config) as pipe,

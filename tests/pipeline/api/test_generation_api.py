@@ -50,7 +50,12 @@ def anyio_backend() -> str:
 async def api() -> AsyncIterator[tuple[Pipeline, openai.AsyncOpenAI]]:
     # text only: no preparation worker would run, so none is started
     config = PipelineConfig(
-        max_running_seqs=8, num_kv_blocks=256, max_model_len=2048, served_model_names=("m",), preparation_mode="thread"
+        max_running_seqs=8,
+        num_kv_blocks=256,
+        max_model_len=2048,
+        served_model_names=("m",),
+        preparation_mode="thread",
+        engine_mode="thread",
     )
     async with Pipeline(config) as pipe, serving(create_app(pipe), handler_cancellation=True) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)

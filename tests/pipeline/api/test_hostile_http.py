@@ -44,7 +44,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def servers() -> AsyncIterator[Servers]:
-    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread")
+    config = PipelineConfig(
+        max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread", engine_mode="thread"
+    )
     async with (
         Pipeline(config) as pipe,
         listen(create_app(pipe, max_body_bytes=1 << 20)) as default,

@@ -33,7 +33,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def pipe() -> AsyncIterator[Pipeline]:
-    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=64, max_model_len=512, preparation_mode="thread")
+    config = PipelineConfig(
+        max_running_seqs=4, num_kv_blocks=64, max_model_len=512, preparation_mode="thread", engine_mode="thread"
+    )
     async with Pipeline(config) as pipe:
         yield pipe
 

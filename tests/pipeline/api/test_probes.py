@@ -111,7 +111,11 @@ async def served() -> AsyncIterator[Served]:
 
     images.router.add_get("/held.png", image)
     config = PipelineConfig(
-        allow_private_networks=True, max_running_seqs=4, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=512
+        allow_private_networks=True,
+        max_running_seqs=4,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_model_len=512,
+        engine_mode="thread",
     )
     async with (
         serving(images) as image_base,

@@ -135,7 +135,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def target() -> AsyncIterator[Target]:
-    config = PipelineConfig(max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread")
+    config = PipelineConfig(
+        max_running_seqs=2, num_kv_blocks=64, max_model_len=512, preparation_mode="thread", engine_mode="thread"
+    )
     limits = ConnectionLimits(header_timeout_s=5.0)
     async with Pipeline(config) as pipe, listen(create_app(pipe, max_body_bytes=1 << 20), limits=limits) as listener:
         yield Target(pipe, listener)

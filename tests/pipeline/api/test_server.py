@@ -58,6 +58,7 @@ async def served() -> AsyncIterator[Served]:
         num_kv_blocks=512,
         max_model_len=4096,
         served_model_names=("m",),
+        engine_mode="thread",
     )
     async with (
         serving(images) as image_base,

@@ -53,7 +53,12 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def pipe() -> AsyncIterator[Pipeline]:
     config = PipelineConfig(
-        max_running_seqs=2, num_kv_blocks=64, max_model_len=512, served_model_names=("m",), preparation_mode="thread"
+        max_running_seqs=2,
+        num_kv_blocks=64,
+        max_model_len=512,
+        served_model_names=("m",),
+        preparation_mode="thread",
+        engine_mode="thread",
     )
     async with Pipeline(config) as pipe:
         yield pipe

@@ -49,7 +49,11 @@ def anyio_backend() -> str:
 async def server() -> AsyncIterator[Server]:
     # 128 blocks of 16: the cache holds 2,048 tokens; a prompt over 1,024 tokens is over max_model_len
     config = PipelineConfig(
-        max_running_seqs=4, num_kv_blocks=128, max_model_len=1024, served_model_names=("m", "alias")
+        max_running_seqs=4,
+        num_kv_blocks=128,
+        max_model_len=1024,
+        served_model_names=("m", "alias"),
+        engine_mode="thread",
     )
     async with (
         Pipeline(config) as pipe,

@@ -101,7 +101,12 @@ def body(schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
 async def pipe() -> AsyncIterator[Pipeline]:
     # text only: no preparation worker would run, so none is started
     config = PipelineConfig(
-        max_running_seqs=8, num_kv_blocks=256, max_model_len=1024, answer_resample_attempts=8, preparation_mode="thread"
+        max_running_seqs=8,
+        num_kv_blocks=256,
+        max_model_len=1024,
+        answer_resample_attempts=8,
+        preparation_mode="thread",
+        engine_mode="thread",
     )
     async with Pipeline(config) as p:
         yield p

@@ -22,7 +22,7 @@ SCHEMA = {
     "required": ["label", "n"],
     "additionalProperties": False,
 }
-CONFIG = {"max_running_seqs": 8, "num_kv_blocks": 256, "max_model_len": 2048}
+CONFIG = {"max_running_seqs": 8, "num_kv_blocks": 256, "max_model_len": 2048, "engine_mode": "thread"}
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def pipe() -> AsyncIterator[Pipeline]:
-    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048)
+    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048, engine_mode="thread")
     async with Pipeline(config) as p:
         yield p
 

@@ -13,7 +13,9 @@ from tests.images import data_url, encode, image_request, make_image
 
 
 async def _answers(mode: str) -> tuple[list[list[int]], list[int]]:
-    config = PipelineConfig(max_running_seqs=4, num_kv_blocks=256, max_model_len=2048, preparation_mode=mode)
+    config = PipelineConfig(
+        max_running_seqs=4, num_kv_blocks=256, max_model_len=2048, preparation_mode=mode, engine_mode="thread"
+    )
     images = [data_url(encode(make_image(w, h, seed=w))) for w, h in ((64, 48), (200, 120))]
     bodies = [
         image_request([images[0]], max_tokens=6, temperature=0),

@@ -90,7 +90,9 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def pipe() -> AsyncIterator[Pipeline]:
     # text only: no preparation worker would run, so none is started
-    config = PipelineConfig(max_running_seqs=8, num_kv_blocks=256, max_model_len=1024, preparation_mode="thread")
+    config = PipelineConfig(
+        max_running_seqs=8, num_kv_blocks=256, max_model_len=1024, preparation_mode="thread", engine_mode="thread"
+    )
     async with Pipeline(config) as p:
         yield p
 
