@@ -1,4 +1,5 @@
-"""``python -m pipeline serve`` shuts down within ``--shutdown-timeout``, even during a long compile."""
+"""``python -m pipeline serve`` shuts down within ``--shutdown-timeout``, even during a long compile, and
+leaves no engine process behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import sys
 import aiohttp
 import anyio
 from anyio.abc import Process
+
+from tests.pipeline.test_serve_workers import children, cmdline
+from tests.stages.test_process_pool import wait_gone
 
 # xgrammar expands bounded strings over the 131k-token vocabulary: 16 of them took 72 s here, so
 # 32 cannot finish within the test's guard (the shutdown must not wait for it)
@@ -42,6 +46,7 @@ async def _compile_started(session: aiohttp.ClientSession, url: str) -> None:
 
 
 async def test_a_shutdown_during_a_long_compile_respects_the_timeout() -> None:
+    # the default engine mode (its own process), whose engine compiles the schema
     command = [sys.executable, "-m", "pipeline", "serve", "--port", "0", "--shutdown-timeout", "1"]
     # text only: no preparation worker would run (their end with the server is test_serve_workers'),
     # and a worker at the lowest priority beside the compile's busy core is slow to stop
@@ -56,6 +61,9 @@ async def test_a_shutdown_during_a_long_compile_respects_the_timeout() -> None:
         try:
             with anyio.fail_after(120):
                 url = await _serving_url(process)
+            # the engine process has loaded its model before the server says it is serving
+            engines = [pid for pid in children(process.pid) if "pipeline.core.engine_process" in cmdline(pid)]
+            assert len(engines) == 1
             async with aiohttp.ClientSession() as session, anyio.create_task_group() as tg:
                 answers: list[tuple[int, dict[str, object]]] = []
 
@@ -69,6 +77,7 @@ async def test_a_shutdown_during_a_long_compile_respects_the_timeout() -> None:
                 process.send_signal(signal.SIGTERM)
                 with anyio.fail_after(40):  # 1 s of drain and the clean-up; the compile alone takes minutes
                     assert await process.wait() == 0
+                    await wait_gone(engines[0])  # stopped mid-compile, not left behind
         finally:
             if process.returncode is None:
                 process.kill()

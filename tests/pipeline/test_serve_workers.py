@@ -15,7 +15,8 @@ from tests.stages.test_process_pool import wait_gone
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children."""
     out: list[int] = []
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
@@ -47,9 +48,9 @@ async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
             # serve starts its two workers at once; each lowers its priority first thing once running
             while len(workers) < 2 or any(_nice(pid) != lowest for pid in workers):
                 await anyio.sleep(0.05)  # noqa: sleep-ok: polls /proc; another process's children give no event
-                workers = [pid for pid in _children(process.pid) if "vision.image_worker" in _cmdline(pid)]
+                workers = [pid for pid in children(process.pid) if "vision.image_worker" in cmdline(pid)]
             # the engine process has loaded its model before the server says it is serving
-            engines = [pid for pid in _children(process.pid) if "pipeline.core.engine_process" in _cmdline(pid)]
+            engines = [pid for pid in children(process.pid) if "pipeline.core.engine_process" in cmdline(pid)]
             assert len(engines) == 1
         process.send_signal(ending)
         with anyio.fail_after(60):
@@ -63,7 +64,8 @@ async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
     assert code == (0 if ending == signal.SIGINT else -signal.SIGKILL)
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """``pid``'s command line, its arguments joined by spaces ("" once it has gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace")

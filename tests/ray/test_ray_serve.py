@@ -45,8 +45,9 @@ SCHEMA = {
     "required": ["name", "count"],
     "additionalProperties": False,
 }
-# The default preparation mode: each replica's images are prepared in its worker processes, under the
-# uvloop Serve runs its replicas on (one worker each keeps the start short).
+# The default preparation and engine modes: each replica's images are prepared in its worker
+# processes, and it decodes in its engine process, under the uvloop Serve runs its replicas on (one
+# worker each keeps the start short).
 CONFIG = PipelineConfig(prep_workers=1)
 
 
@@ -204,7 +205,9 @@ def test_health_reports_every_replica(base_url: str) -> None:
 
 
 # -- a replica killed under load: runs last ------------------------------------------------------
-LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+# long enough that none ends before all 12 are in a replica: the engine process decodes 6 of them
+# 400 tokens long in about 2.5 s here
+LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
 
 async def _streamed(
@@ -272,7 +275,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
                 # the replica streaming the most: the kill surely cuts streams that had begun
                 victim_name = Counter(s["replica"] for s in streams).most_common(1)[0][0]
                 victim = next(r for r in replica_ids() if r.endswith("#" + victim_name))
-                # every request is in a replica (400 tokens each: none ends meanwhile); the whole
+                # every request is in a replica (LONG: none ends meanwhile); the whole
                 # answers the victim holds are those it holds beyond its streams
                 while True:
                     held = await anyio.to_thread.run_sync(_held, base_url)
@@ -289,7 +292,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
     assert all(s["status"] == 200 and s.get("done") for s in streams)
     assert all(s["error"] == "replica_failed" for s in on_victim)
     assert on_victim, streams
-    assert all(s["error"] is None and s["usage"] == 400 for s in survivors)
+    assert all(s["error"] is None and s["usage"] == LONG["max_tokens"] for s in survivors)
     # whole answers never left the killed replica: retried on the survivor, all complete
     assert [w["status"] for w in wholes] == [200] * 6
     assert all(w["replica"] != victim_name for w in wholes)
