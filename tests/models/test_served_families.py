@@ -59,7 +59,6 @@ def _expected(folder: Path, parts: list[dict[str, Any]], images: list[Any]) -> l
         ("qwen3-vl", True, "process", "auto"),
         # the vision encoder there too: the pixels cross, and the DeepStack rows are split off there
         ("qwen3-vl", True, "process", "engine"),
-        ("mistral3", True, "process", "engine"),
     ],
 )
 async def test_the_served_answer_is_transformers_own(

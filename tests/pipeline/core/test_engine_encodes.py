@@ -28,7 +28,10 @@ from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
 
-CONFIG = {"max_running_seqs": 4, "num_kv_blocks": 512, "max_model_len": 4096, "prep_workers": 2}
+# preparation in threads here (the served families' test prepares in worker processes, which then
+# return pixels): one engine process serves the module's tests, in order
+CONFIG = {"max_running_seqs": 4, "num_kv_blocks": 512, "max_model_len": 4096, "preparation_mode": "thread"}
+TRACER = Tracer()
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +41,15 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def pipe() -> AsyncIterator[Pipeline]:
-    # preparation in worker processes, which return pixels: there is no encoder in the serving process
     config = PipelineConfig(engine_mode="process", vision_encoder_placement="engine", **CONFIG)
-    async with Pipeline(config) as p:
+    async with Pipeline(config, tracer=TRACER) as p:
         yield p
 
 
 @pytest.fixture(scope="module")
 async def expected() -> list[list[list[int]]]:
     """The answers with the encoder in preparation and the engine on a thread."""
-    async with Pipeline(PipelineConfig(engine_mode="thread", preparation_mode="thread", **CONFIG)) as p:
+    async with Pipeline(PipelineConfig(engine_mode="thread", **CONFIG)) as p:
         return await _answers(p)
 
 
@@ -71,6 +73,9 @@ def _bodies() -> list[dict[str, object]]:
 async def _answers(pipe: Pipeline) -> list[list[list[int]]]:
     results = [await (await pipe.submit(body)).result() for body in _bodies()]
     return [[list(choice.token_ids) for choice in result.choices] for result in results]
+
+
+COUNTING = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
 
 
 async def _held(engine: ProcessEngine) -> int:
@@ -115,11 +120,7 @@ async def test_a_bound_of_one_image_evicts_and_the_engine_holds_what_the_index_s
 ) -> None:
     # the embeddings of either image fit (96x64: 24 rows of 64 float32s, 6 KiB; 40x80: 15 rows), not both
     config = PipelineConfig(
-        engine_mode="process",
-        preparation_mode="thread",
-        vision_encoder_placement="engine",
-        encoder_cache_bytes=8192,
-        **CONFIG,
+        engine_mode="process", vision_encoder_placement="engine", encoder_cache_bytes=8192, **CONFIG
     )
     with anyio.fail_after(240):
         async with Pipeline(config) as p:
@@ -176,100 +177,86 @@ async def test_on_a_gpu_auto_encodes_in_the_engine_process_as_the_serving_proces
     assert answers[0] == answers[1]
 
 
-async def test_while_sequences_decode_one_adds_images_are_encoded_between_two_steps(tmp_path: Path) -> None:
+async def test_while_sequences_decode_one_adds_images_are_encoded_between_two_steps(
+    pipe: Pipeline, tmp_path: Path
+) -> None:
     """A burst of image adds reaches the engine process while a request decodes: their encodes are
     spread over its steps (never two adds' encodes back to back), one of them aborted while queued
     is encoded all the same but never added, and the engine holds what the index says."""
-    tracer = Tracer()
-    config = PipelineConfig(
-        engine_mode="process", preparation_mode="thread", vision_encoder_placement="engine", **CONFIG
-    )
+    engine, index = _engine(pipe)
+    since = TRACER.now()
     with anyio.fail_after(240):
-        async with Pipeline(config, tracer=tracer) as p:
-            engine, index = _engine(p)
-            bodies = [
-                image_request([data_url(encode(make_image(48, 32, seed=60 + i)))], max_tokens=4) for i in range(4)
-            ]
-            inputs = [await p.prepare(body) for body in bodies]
-            long = await p.submit(
-                {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
-            )
-            stream = long.__aiter__()
-            await stream.__anext__()  # it decodes
-            streams = []
-            for inp in inputs:  # one after the other, no turn of the loop between them
-                streams.append(engine.submit(inp))
-            engine.abort(inputs[1].request_id)
-            for i, out in enumerate(streams):
-                if i != 1:
-                    async for _output in out:
-                        pass
-            long.cancel()
-            await assert_released(p)
-            assert await _held(engine) == len(index) == 4
-    tracer.write(tmp_path / "trace.json")
+        urls = [data_url(encode(make_image(48, 32, seed=60 + i))) for i in range(4)]
+        inputs = [await pipe.prepare(image_request([url], max_tokens=4)) for url in urls]
+        long = await pipe.submit(COUNTING)
+        stream = long.__aiter__()
+        await stream.__anext__()  # it decodes
+        held = len(index)
+        streams = [engine.submit(inp) for inp in inputs]  # one after the other, no turn of the loop between
+        engine.abort(inputs[1].request_id)
+        for i, out in enumerate(streams):
+            if i != 1:
+                async for _output in out:
+                    pass
+        long.cancel()
+        await assert_released(pipe)
+        assert await _held(engine) == len(index) == held + 4
+    TRACER.write(tmp_path / "trace.json")
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    engine_spans = sorted(
-        (e for e in events if e.get("ph") == "X" and e["cat"] in ("step", "engine")), key=lambda e: e["ts"]
+    after = (since - TRACER._t0) * 1e6
+    spans = sorted(
+        (e for e in events if e.get("ph") == "X" and e["cat"] in ("step", "engine") and e["ts"] >= after),
+        key=lambda e: e["ts"],
     )
-    names = [e["name"] for e in engine_spans if e["cat"] == "step" or e["name"] == "vision encode"]
+    names = [e["name"] for e in spans if e["cat"] == "step" or e["name"] == "vision encode"]
     encodes = [i for i, name in enumerate(names) if name == "vision encode"]
     assert len(encodes) == 4  # the aborted add's image too
     assert all(later - earlier > 1 for earlier, later in zip(encodes, encodes[1:], strict=False))
 
 
-async def test_an_image_that_fails_to_encode_fails_its_request_and_is_not_counted_held() -> None:
+async def test_an_image_that_fails_to_encode_fails_its_request_and_is_not_counted_held(pipe: Pipeline) -> None:
     """An add whose image does not encode (its pixels broken), read by the engine process together
     with later commands while a request decodes: its request fails, the index forgets the image it
     had the engine keep (the failure names the add, not the commands read since), and the next
     request with that image is served."""
-    config = PipelineConfig(
-        engine_mode="process", preparation_mode="thread", vision_encoder_placement="engine", **CONFIG
-    )
+    engine, index = _engine(pipe)
     with anyio.fail_after(240):
-        async with Pipeline(config) as p:
-            engine, index = _engine(p)
-            body = image_request([data_url(encode(make_image(48, 32, seed=5)))], max_tokens=2, temperature=0)
-            good = await p.prepare(body)
-            broken = dataclasses.replace(good, request_id="broken", image_pixels=[torch.zeros(1, 2, 3)])
-            text = [EngineInput(f"t{i}", [1, 2, 3], -1, None, SamplingParams(max_tokens=2)) for i in range(2)]
-            counting = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
-            long = await p.submit(counting)
-            stream = long.__aiter__()
-            await stream.__anext__()  # it decodes
-            streams = [engine.submit(inp) for inp in [broken, *text]]  # one turn of the loop: read together
-            errors = [out.error async for out in streams[0]]
-            assert errors and all(e is not None and "could not encode" in e for e in errors)
-            for out in streams[1:]:
-                async for _output in out:
-                    pass
-            long.cancel()
-            assert await _held(engine) == len(index) == 0
-            result = await (await p.submit(body)).result()
-            assert result.completion_tokens == 2 and await _held(engine) == len(index) == 1
-            await assert_released(p)
+        body = image_request([data_url(encode(make_image(48, 32, seed=5)))], max_tokens=2, temperature=0)
+        good = await pipe.prepare(body)
+        digest = good.image_keys[0].content_hash
+        broken = dataclasses.replace(good, request_id="broken", image_pixels=[torch.zeros(1, 2, 3)])
+        text = [EngineInput(f"t{i}", [1, 2, 3], -1, None, SamplingParams(max_tokens=2)) for i in range(2)]
+        long = await pipe.submit(COUNTING)
+        stream = long.__aiter__()
+        await stream.__anext__()  # it decodes
+        streams = [engine.submit(inp) for inp in [broken, *text]]  # one turn of the loop: read together
+        errors = [out.error async for out in streams[0]]
+        assert errors and all(e is not None and "could not encode" in e for e in errors)
+        for out in streams[1:]:
+            async for _output in out:
+                pass
+        long.cancel()
+        assert await _held(engine) == len(index) and digest not in index
+        result = await (await pipe.submit(body)).result()
+        assert result.completion_tokens == 2 and digest in index and await _held(engine) == len(index)
+        await assert_released(pipe)
 
 
-async def test_adds_whose_images_wait_for_the_encoder_count_against_the_engine_queue() -> None:
-    """With room for one unread command, a burst of image requests beside a decode waits for room
-    (the engine process says how many adds wait for its encoder) and every request is served."""
-    config = PipelineConfig(
-        engine_mode="process",
-        preparation_mode="thread",
-        vision_encoder_placement="engine",
-        engine_queue_size=1,
-        **CONFIG,
-    )
-    with anyio.fail_after(240):
-        async with Pipeline(config) as p:
-            counting = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
-            long = await p.submit(counting)
+async def test_adds_whose_images_wait_for_the_encoder_count_against_the_engine_queue(pipe: Pipeline) -> None:
+    """With room for one unread command, a burst of image requests beside a decode is served whole:
+    the count of adds waiting for the encoder reaches the serving process with every change of it,
+    so room comes back as they are encoded (a stale count would leave the waiters there for good)."""
+    engine, _ = _engine(pipe)
+    engine.queue_size = 1
+    try:
+        with anyio.fail_after(240):
+            long = await pipe.submit(COUNTING)
             stream = long.__aiter__()
             await stream.__anext__()  # it decodes
             urls = [data_url(encode(make_image(48, 32, seed=70 + i))) for i in range(5)]
-            handles = [await p.submit(image_request([url], max_tokens=3, temperature=0)) for url in urls]
-            # none is refused or left waiting: the count of adds waiting for the encoder reaches here
-            # with every change of it, so room comes back as they are encoded
+            handles = [await pipe.submit(image_request([url], max_tokens=3, temperature=0)) for url in urls]
             assert [(await h.result()).completion_tokens for h in handles] == [3] * 5
             long.cancel()
-            await assert_released(p)
+            await assert_released(pipe)
+    finally:
+        engine.queue_size = PipelineConfig().engine_queue_size
