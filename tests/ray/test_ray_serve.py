@@ -7,7 +7,6 @@ last because it changes which replicas there are.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import urllib.request
@@ -46,10 +45,10 @@ SCHEMA = {
     "required": ["name", "count"],
     "additionalProperties": False,
 }
-# The default preparation and engine modes: each replica's images are prepared in its worker
-# processes, and it decodes in its engine process, under the uvloop Serve runs its replicas on (one
-# worker each keeps the start short).
-CONFIG = PipelineConfig(prep_workers=1)
+# The default preparation mode: each replica's images are prepared in its worker processes, under the
+# uvloop Serve runs its replicas on (one worker each keeps the start short). The engine on a thread:
+# each replica starts seconds sooner, and the engine process's link on uvloop is test_engine_uvloop's.
+CONFIG = PipelineConfig(prep_workers=1, engine_mode="thread")
 
 
 def _free_port() -> int:
@@ -142,10 +141,8 @@ BAD = [
 @pytest.mark.anyio
 async def test_errors_are_the_aiohttp_servers_errors(base_url: str) -> None:
     """Same status, error code, named field and Allow header from both front ends."""
-    # each is refused before decoding, in either engine mode: the local one starts sooner on a thread
-    local_config = dataclasses.replace(CONFIG, engine_mode="thread")
     async with (
-        Pipeline(local_config) as pipe,
+        Pipeline(CONFIG) as pipe,
         serving(create_app(pipe)) as local,
         aiohttp.ClientSession() as session,
     ):
@@ -212,9 +209,7 @@ def test_health_reports_every_replica(base_url: str) -> None:
 
 
 # -- a replica killed under load: runs last ------------------------------------------------------
-# long enough that none ends before all 12 are in a replica: the engine process decodes 6 of them
-# 400 tokens long in about 2.5 s here
-LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
 async def _streamed(
@@ -282,7 +277,7 @@ async def test_a_replica_killed_under_load(base_url: str) -> None:
                 # the replica streaming the most: the kill surely cuts streams that had begun
                 victim_name = Counter(s["replica"] for s in streams).most_common(1)[0][0]
                 victim = next(r for r in replica_ids() if r.endswith("#" + victim_name))
-                # every request is in a replica (LONG: none ends meanwhile); the whole
+                # every request is in a replica (400 tokens each: none ends meanwhile); the whole
                 # answers the victim holds are those it holds beyond its streams
                 while True:
                     held = await anyio.to_thread.run_sync(_held, base_url)

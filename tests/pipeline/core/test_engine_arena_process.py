@@ -39,8 +39,8 @@ def _engine(pipe: Pipeline) -> ProcessEngine:
     return engine
 
 
-def _bodies() -> list[dict[str, object]]:
-    """Greedy image requests: one image, two images, and two choices of one."""
+def image_bodies() -> list[dict[str, object]]:
+    """Greedy image requests: one image, two images (the first again), and two choices of one."""
     one = [data_url(encode(make_image(96, 64, seed=11)))]
     two = one + [data_url(encode(make_image(40, 80, seed=12), "JPEG"), "image/jpeg")]
     return [
@@ -50,8 +50,9 @@ def _bodies() -> list[dict[str, object]]:
     ]
 
 
-async def _answers(pipe: Pipeline) -> list[list[list[int]]]:
-    results = [await (await pipe.submit(body)).result() for body in _bodies()]
+async def image_answers(pipe: Pipeline) -> list[list[list[int]]]:
+    """The token ids of each choice of each of ``image_bodies``' requests."""
+    results = [await (await pipe.submit(body)).result() for body in image_bodies()]
     return [[list(choice.token_ids) for choice in result.choices] for result in results]
 
 
@@ -59,11 +60,11 @@ async def test_image_answers_are_the_thread_engines_and_their_regions_are_freed(
     engine = _engine(pipe)
     adds = engine.num_arena_adds
     with anyio.fail_after(240):
-        answers = await _answers(pipe)
+        answers = await image_answers(pipe)
         assert (engine.num_arena_adds - adds, engine.num_inline_adds) == (3, 0)
         await assert_released(pipe)  # the engine has read every add: no arena region is held
         async with Pipeline(PipelineConfig(engine_mode="thread", **CONFIG)) as threaded:
-            assert await _answers(threaded) == answers
+            assert await image_answers(threaded) == answers
 
 
 async def test_a_cancelled_image_request_frees_its_region(pipe: Pipeline) -> None:
@@ -82,7 +83,7 @@ async def test_a_killed_engine_frees_the_regions_of_the_adds_it_never_read(pipe:
     pid, arena = engine.pid, engine._arena
     assert pid is not None and arena is not None
     with anyio.fail_after(240):
-        inputs = [await pipe.prepare(body) for body in _bodies()[:2]]
+        inputs = [await pipe.prepare(body) for body in image_bodies()[:2]]
         os.kill(pid, signal.SIGSTOP)  # reads nothing from now on
         streams = [engine.submit(inp) for inp in inputs]
         assert engine.resources()["arena_regions"] == 2
@@ -98,6 +99,6 @@ async def test_a_killed_engine_frees_the_regions_of_the_adds_it_never_read(pipe:
         await engine.wait_started()
         assert engine._arena is not None and engine._arena is not arena and engine._arena.slab.size == 64
         inline = engine.num_inline_adds
-        result = await (await pipe.submit(_bodies()[0])).result()
+        result = await (await pipe.submit(image_bodies()[0])).result()
         assert result.completion_tokens > 0 and engine.num_inline_adds == inline + 1
         await assert_released(pipe)

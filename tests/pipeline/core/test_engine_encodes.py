@@ -25,6 +25,7 @@ from pipeline.observability.trace import Tracer
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from tests.images import data_url, encode, image_request, make_image
+from tests.pipeline.core.test_engine_arena_process import image_answers, image_bodies
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
 
@@ -50,29 +51,13 @@ async def pipe() -> AsyncIterator[Pipeline]:
 async def expected() -> list[list[list[int]]]:
     """The answers with the encoder in preparation and the engine on a thread."""
     async with Pipeline(PipelineConfig(engine_mode="thread", **CONFIG)) as p:
-        return await _answers(p)
+        return await image_answers(p)
 
 
 def _engine(pipe: Pipeline) -> tuple[ProcessEngine, ImageIndex]:
     engine = pipe.engine
     assert isinstance(engine, ProcessEngine) and engine.images is not None
     return engine, engine.images
-
-
-def _bodies() -> list[dict[str, object]]:
-    """Greedy image requests: one image, two images (the first again), and two choices of one."""
-    one = [data_url(encode(make_image(96, 64, seed=11)))]
-    two = one + [data_url(encode(make_image(40, 80, seed=12), "JPEG"), "image/jpeg")]
-    return [
-        image_request(one, max_tokens=24, temperature=0),
-        image_request(two, max_tokens=24, temperature=0),
-        image_request(one, text="Again.", max_tokens=16, temperature=0.8, seed=3, n=2),
-    ]
-
-
-async def _answers(pipe: Pipeline) -> list[list[list[int]]]:
-    results = [await (await pipe.submit(body)).result() for body in _bodies()]
-    return [[list(choice.token_ids) for choice in result.choices] for result in results]
 
 
 COUNTING = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 300, "ignore_eos": True}
@@ -101,11 +86,11 @@ async def test_answers_are_the_encoder_in_preparations_and_a_held_image_crosses_
     assert pipe.encoder is None  # no encoder weights in the serving process
     with anyio.fail_after(240):
         sent, adds = index.num_sent, engine.num_arena_adds
-        assert await _answers(pipe) == expected
+        assert await image_answers(pipe) == expected
         assert index.num_sent - sent == 2  # two distinct images: each crosses once
         assert await _held(engine) == len(index) >= 2
         sent = index.num_sent
-        assert await _answers(pipe) == expected  # again: the engine process holds both
+        assert await image_answers(pipe) == expected  # again: the engine process holds both
         # only adds with pixels take an arena region: those of the first round that sent an image
         assert index.num_sent == sent and engine.num_arena_adds - adds == 2 and engine.num_inline_adds == 0
         stats = pipe.cache_stats()  # the encoder cache is the engine process's; the pixels are kept here
@@ -125,10 +110,10 @@ async def test_a_bound_of_one_image_evicts_and_the_engine_holds_what_the_index_s
     with anyio.fail_after(240):
         async with Pipeline(config) as p:
             engine, index = _engine(p)
-            assert await _answers(p) == expected
+            assert await image_answers(p) == expected
             assert index.stats.evictions >= 1
             assert await _held(engine) == len(index) == 1
-            assert await _answers(p) == expected
+            assert await image_answers(p) == expected
             assert await _held(engine) == len(index) == 1
             await assert_released(p)
 
@@ -138,7 +123,7 @@ async def test_a_killed_engine_process_holds_nothing_and_the_pixels_cross_again(
 ) -> None:
     engine, index = _engine(pipe)
     with anyio.fail_after(240):
-        await _answers(pipe)
+        await image_answers(pipe)
         assert len(index) >= 2
         pid = engine.pid
         assert pid is not None
@@ -154,7 +139,7 @@ async def test_a_killed_engine_process_holds_nothing_and_the_pixels_cross_again(
         await engine.wait_started()
         assert len(index) == 0 and await _held(engine) == 0
         sent = index.num_sent
-        assert await _answers(pipe) == expected
+        assert await image_answers(pipe) == expected
         assert index.num_sent == sent + 2 and await _held(engine) == len(index) == 2
         await assert_released(pipe)
 
@@ -165,7 +150,7 @@ async def test_on_a_gpu_auto_encodes_in_the_engine_process_as_the_serving_proces
     """Greedy answers with the encoder beside the engine (auto on a GPU) are those with the encoder
     on the device in the serving process."""
     base = {**CONFIG, "device": "cuda", "engine_mode": "process", "preparation_mode": "thread"}
-    greedy = _bodies()[:2]
+    greedy = image_bodies()[:2]
     answers = []
     with anyio.fail_after(300):
         for placement in ("auto", "preparation"):
