@@ -53,17 +53,16 @@ class ImageIndex:
         self.max_bytes = max_bytes
         self.row_bytes = row_bytes  # one image token's embedding row in the engine process
         self.stats = CacheStats(bytes_bound=max_bytes)
-        self._dropped: list[str] = []
-        self._held: Lru[str, int] = Lru(max_bytes, lambda nbytes: nbytes, on_evict=self._evicted)
-        self._kept_by: dict[str, int] = {}  # per image held: the command number of the add that sent it
+        self._dropped: list[str] = []  # evicted since the last plan: the next add drops them
+        self._held = self._new_held()
         self.num_sent = 0  # images whose pixels crossed
+
+    def _new_held(self) -> Lru[str, tuple[int, int]]:
+        """Per image held: its bytes there and the command number of the add that sent it."""
+        return Lru(self.max_bytes, lambda entry: entry[0], on_evict=self._dropped.append)
 
     def __contains__(self, content_hash: object) -> bool:
         return content_hash in self._held
-
-    def _evicted(self, content_hash: str) -> None:
-        self._dropped.append(content_hash)
-        self._kept_by.pop(content_hash, None)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -90,8 +89,7 @@ class ImageIndex:
             if fits:  # evicts the least recently used (this add's own images last: they were touched)
                 if digest in self._dropped:  # a hit of this add evicted by its own images, then sent again:
                     self._dropped.remove(digest)  # the engine keeps before it drops, so it must not drop it
-                self._kept_by[digest] = command
-                self._held.put(digest, nbytes)
+                self._held.put(digest, (nbytes, command))
         drop, self._dropped[:] = tuple(self._dropped), []
         self.stats.evictions += len(drop)
         self.stats.bytes_held, self.stats.entries = self._held.weight, len(self._held)
@@ -102,15 +100,14 @@ class ImageIndex:
         """The engine process did not keep ``hashes`` of add ``command`` (they failed to encode): forget
         those that no later add has sent again."""
         for digest in hashes:
-            if self._kept_by.get(digest) == command:
-                del self._kept_by[digest]
+            entry = self._held.peek(digest)
+            if entry is not None and entry[1] == command:
                 self._held.pop(digest)
         self.stats.bytes_held, self.stats.entries = self._held.weight, len(self._held)
 
     def reset(self) -> None:
         """A new engine process holds nothing."""
-        self._held = Lru(self.max_bytes, lambda nbytes: nbytes, on_evict=self._evicted)
-        self._kept_by.clear()
+        self._held = self._new_held()
         self._dropped.clear()
         self.stats.bytes_held = self.stats.entries = 0
 

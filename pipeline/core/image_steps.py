@@ -10,8 +10,8 @@ time: see stages/encoder_cache.py): a hit skips decode, the processor and the en
 the request the image's owner, and it decodes and encodes the image once for every request that asks
 meanwhile. The owner's flights are abandoned when its job leaves the stages, whatever its outcome.
 With the vision encoder in the engine process there is no encoder here: the cache keeps pixels, the
-vision step only hands them to the requests that wait, and they go to the engine process with the
-request (pipeline/core/engine_images.py).
+decode step hands them to the requests that wait, and they go to the engine process with the request
+(pipeline/core/engine_images.py).
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ class ImageSteps:
         decode: DecodeStage,
         vision: VisionEncodeStage | None,
         cache: EncoderCache[Any] | None,
-        tracer: Tracer | None = None,
-        takes_images: bool | None = None,
+        tracer: Tracer | None,
+        takes_images: bool,
     ) -> None:
         self.fetch = fetch
         self.decode = decode
         self.vision = vision  # None: the model takes no images, or (takes_images) the engine process encodes
-        self.takes_images = vision is not None if takes_images is None else takes_images
+        self.takes_images = takes_images
         self.cache = cache  # None: off
         # with no cache every image is decoded, so knowing its hash early saves nothing
         self.url_keys = DataUrlKeys() if cache is not None else None
