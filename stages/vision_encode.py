@@ -53,6 +53,7 @@ class VisionEncodeStage:
         self._send: MemoryObjectSendStream[_Pending]
         self._receive: MemoryObjectReceiveStream[_Pending]
         self._send, self._receive = anyio.create_memory_object_stream[_Pending](queue_size)
+        self._batching = False  # run_batcher has started (it closes the receiving end)
         self.batch_sizes: list[int] = []
 
     @property
@@ -66,6 +67,7 @@ class VisionEncodeStage:
         limiter is taken on the batch's behalf), so images keep queueing, and batching, while every
         thread is busy.
         """
+        self._batching = True
         async with self._receive, anyio.create_task_group() as encoders:
             while True:
                 try:
@@ -160,7 +162,9 @@ class VisionEncodeStage:
         return [pending[i].embeds.get() if i in pending else _embeds(im) for i, im in enumerate(images)]
 
     async def aclose(self) -> None:
-        await self._send.aclose()
+        await self._send.aclose()  # the batcher ends once the queue is empty
+        if not self._batching:
+            self._receive.close()  # no batcher ran (its pipeline's start failed): nothing else closes it
 
 
 def _embeds(image: PreparedImage) -> torch.Tensor:

@@ -1,5 +1,11 @@
 """What ``Pipeline`` start loads before any stage runs: the checkpoint, the vision encoder, the engine,
-the grammar stage and the model's tool-call format (seconds of synchronous work: run it off the loop)."""
+the grammar stage and the model's tool-call format (seconds of synchronous work: run it off the loop).
+
+It loads in two steps so that an engine process can start beside the rest: ``open_model`` checks the
+checkpoint can be served and builds the engine process's client (cheap), and ``load_model`` loads the
+rest (the tokenizer, the encoder, a thread engine's model, the grammar stage) while that process loads
+its own model.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,16 @@ from stages.template import single_token_id
 from vision.checkpoint import Checkpoint, open_checkpoint
 from vision.encoder import VisionEncoder
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "OpenedModel", "load_model", "open_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedModel:
+    """A checkpoint the pipeline can serve, and its engine process's client (not yet started)."""
+
+    checkpoint: Checkpoint
+    engine_process: ProcessEngine | None  # None: a thread engine (load_model builds it), or none
+    with_engine: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,23 +48,36 @@ class LoadedModel:
     tool_format: ToolFormat  # how the model writes tool calls: its family's
 
 
-def load_model(config: PipelineConfig, *, with_engine: bool, tracer: Tracer | None) -> LoadedModel:
-    """Open ``config.model`` and build its encoder, engine and grammar stage (blocks for seconds).
+def open_model(config: PipelineConfig, *, with_engine: bool, tracer: Tracer | None) -> OpenedModel:
+    """Open ``config.model``, check it can be served, and build (not start) its engine process's client.
 
     :raises UnsupportedModel: an architecture we cannot serve, named, before anything loads.
     """
-    device = config.resolved_device()
     ck = open_checkpoint(config.model, config.cache_dir)
+    family_of(ck)  # the registry's refusal, before an engine process spends seconds loading it
+    process = with_engine and config.engine_mode == "process"
+    engine = build_engine(ck, config, device=config.resolved_device(), tracer=tracer) if process else None
+    assert engine is None or isinstance(engine, ProcessEngine)
+    return OpenedModel(ck, engine, with_engine)
+
+
+def load_model(opened: OpenedModel, config: PipelineConfig, *, tracer: Tracer | None) -> LoadedModel:
+    """Build the rest of ``opened``'s parts: its encoder, a thread engine, its grammar stage (blocks for
+    seconds; an engine process may be starting meanwhile)."""
+    device = config.resolved_device()
+    ck = opened.checkpoint
     fmt = tool_format(family_of(ck).tool_call_format)
     if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
         fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
     # with the encoder in the engine process, this process loads none (nor, on a GPU, a CUDA context for it)
-    encodes_here = ck.vision_config is not None and not (with_engine and config.encoder_in_engine())
+    encodes_here = ck.vision_config is not None and not (opened.with_engine and config.encoder_in_engine())
     encoder = VisionEncoder(ck, device=device) if encodes_here else None
-    engine = build_engine(ck, config, device=device, tracer=tracer) if with_engine else None
+    engine: Engine | None = opened.engine_process
     grammar: GrammarStage | RemoteGrammarStage
-    if isinstance(engine, ProcessEngine):
-        grammar = build_remote_grammar_stage(config, ck, engine)  # the engine process compiles
+    if opened.engine_process is not None:
+        grammar = build_remote_grammar_stage(config, ck, opened.engine_process)  # the engine process compiles
     else:
+        if opened.with_engine:
+            engine = build_engine(ck, config, device=device, tracer=tracer)
         grammar = build_grammar_stage(config, ck)
     return LoadedModel(ck, encoder, engine, grammar, fmt)

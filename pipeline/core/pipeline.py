@@ -22,8 +22,9 @@ from pipeline.core.admission import Admission
 from pipeline.core.engine_factory import Engine
 from pipeline.core.handle import RequestHandle
 from pipeline.core.loop_turns import LoopTurns
-from pipeline.core.model_load import LoadedModel, load_model
+from pipeline.core.model_load import LoadedModel, OpenedModel, load_model, open_model
 from pipeline.core.preparation import Preparation, PreparedRequest
+from pipeline.core.run_together import run_together
 from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
 from pipeline.core.staged import Job
 from pipeline.errors import ShuttingDown
@@ -134,18 +135,44 @@ class Pipeline:
         return self.model_names[0]
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _load(self) -> None:
-        """Heavy, synchronous model loading (run in a worker thread)."""
-        self._model = load_model(self.config, with_engine=self.with_engine, tracer=self.tracer)
-        self._engine = self._model.engine
-
     async def __aenter__(self) -> Pipeline:
         if self.state is not PipelineState.NEW:
             raise RuntimeError(f"a pipeline starts once (it is {self.state.value})")
         self.state = PipelineState.STARTING
-        await anyio.to_thread.run_sync(self._load)
-        model = self._model
-        assert model is not None  # loaded by _load
+        stack = self._stack
+        try:
+            # closed in reverse: the task group (stage workers, compiles) first, then the engine,
+            # then the stages' resources (HTTP session, inboxes)
+            stack.push_async_callback(_shielded, self._close_preparation)
+            opened = await anyio.to_thread.run_sync(
+                functools.partial(open_model, self.config, with_engine=self.with_engine, tracer=self.tracer)
+            )
+            # an engine process loads its model (seconds) while this process loads the rest and
+            # starts the preparation workers
+            steps: list[Callable[[], Awaitable[None]]] = [functools.partial(self._load, opened)]
+            if opened.engine_process is not None:
+                self._engine = opened.engine_process
+                stack.push_async_callback(_shielded, opened.engine_process.aclose)
+                steps.append(opened.engine_process.start)
+            await run_together(*steps)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(self._tg.cancel_scope.cancel)
+            if self._engine is not None:
+                self._engine.attach(self._tg)
+            assert self._preparation is not None  # built by _load
+            self._preparation.start(self._tg)
+        except BaseException:
+            await self._close()
+            raise
+        self.state = PipelineState.ACCEPTING
+        return self
+
+    async def _load(self, opened: OpenedModel) -> None:
+        """Load the model's parts (in a worker thread), build the stages, start a thread engine and
+        the preparation workers."""
+        model = self._model = await anyio.to_thread.run_sync(
+            functools.partial(load_model, opened, self.config, tracer=self.tracer)
+        )
         self._preparation = Preparation(
             self.config,
             model.checkpoint,
@@ -155,7 +182,7 @@ class Pipeline:
             metrics=self.metrics,
             tracer=self.tracer,
         )
-        engine = self._engine
+        engine = self._engine = model.engine
         self._admission = Admission(
             self.config,
             self._preparation,
@@ -163,26 +190,15 @@ class Pipeline:
             self.tracer,
             waiting=(lambda: engine.room.num_waiting) if engine is not None else lambda: 0,
         )
-        stack = self._stack
-        try:
-            # closed in reverse: the task group (stage workers, compiles) first, then the engine,
-            # then the stages' resources (HTTP session, inboxes)
-            stack.push_async_callback(_shielded, self._preparation.aclose)
-            if self._engine is not None:
-                await self._engine.start()
-                stack.push_async_callback(_shielded, self._engine.aclose)
-            self._tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(self._tg.cancel_scope.cancel)
-            if self._engine is not None:
-                self._engine.attach(self._tg)
-            self._preparation.start(self._tg)
-            # the preparation workers are up before the first request: it would wait seconds for them
-            await self._preparation.start_workers()
-        except BaseException:
-            await self._close()
-            raise
-        self.state = PipelineState.ACCEPTING
-        return self
+        if engine is not None and engine is not opened.engine_process:
+            await engine.start()  # a thread engine: its thread
+            self._stack.push_async_callback(_shielded, engine.aclose)
+        # the preparation workers are up before the first request: it would wait seconds for them
+        await self._preparation.start_workers()
+
+    async def _close_preparation(self) -> None:
+        if self._preparation is not None:
+            await self._preparation.aclose()
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._close()

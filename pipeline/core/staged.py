@@ -194,3 +194,4 @@ class StageWorkers:
 
     async def aclose(self) -> None:
         await self.send.aclose()
+        self._receive.close()  # a stage never started (its pipeline's start failed) still holds its own

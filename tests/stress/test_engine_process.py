@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator
 
 import anyio
@@ -12,6 +13,7 @@ import pytest
 
 from pipeline import PipelineConfig
 from pipeline.api.replies import error_reply
+from pipeline.core import engine_link, model_load
 from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.engine_factory import build_engine
 from pipeline.core.pipeline import Pipeline
@@ -162,3 +164,45 @@ async def test_a_grammar_setup_that_fails_is_reported_as_the_start_failure() -> 
     assert info.value.code == "engine_failed"
     assert "ValueError: backend must be auto, xgrammar or llguidance, got 'neither'" in info.value.message
     assert engine.pid is None  # reaped
+
+
+async def test_a_pipeline_whose_engine_process_cannot_start_raises_why_and_leaves_nothing() -> None:
+    """The engine process starts beside the serving process's loading: its failure is the start's
+    error (not an exception group), and the preparation workers started meanwhile are stopped."""
+    config = PipelineConfig(engine_mode="process", num_kv_blocks=64, max_model_len=1024)
+    object.__setattr__(config, "grammar_backend", "neither")  # refused in the engine process alone
+    pipe = Pipeline(config)
+    with anyio.fail_after(120), pytest.raises(EngineFailed) as info:
+        async with pipe:
+            pass
+    assert "got 'neither'" in info.value.message
+    assert pipe.state.value == "stopped"
+    assert _engine(pipe).pid is None
+    pool = pipe.preparation.pool
+    assert pool is not None and all(w.process is None for w in pool._workers)  # stopped and reaped
+
+
+async def test_a_serving_load_that_fails_kills_the_engine_process_starting_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The serving process's loading fails while the engine process loads its model: the start raises
+    that failure as it is, and the engine process is killed and reaped (no orphan)."""
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def spawn(fd: int, inherited: tuple[int, ...]) -> subprocess.Popen[bytes]:
+        spawned.append(real_spawn(fd, inherited))
+        return spawned[-1]
+
+    def broken_grammar_stage(*args: object) -> None:
+        raise RuntimeError("the grammar stage could not be built")
+
+    real_spawn = engine_link._spawn
+    monkeypatch.setattr(engine_link, "_spawn", spawn)
+    monkeypatch.setattr(model_load, "build_remote_grammar_stage", broken_grammar_stage)
+    pipe = Pipeline(PipelineConfig(engine_mode="process", num_kv_blocks=64, max_model_len=1024))
+    with anyio.fail_after(120), pytest.raises(RuntimeError, match="grammar stage could not be built"):
+        async with pipe:
+            pass
+    assert pipe.state.value == "stopped"
+    assert len(spawned) == 1  # the engine process had started: the serving side loads in a thread meanwhile
+    assert spawned[0].poll() is not None  # killed and reaped
