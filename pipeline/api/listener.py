@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, InvalidURLError
@@ -76,9 +76,11 @@ class GuardedHandler(web.RequestHandler):
         if self._place is None:  # refused: aiohttp never sees it
             limits = self._guard.limits
             error = Overloaded(f"the server holds its limit of {limits.max_connections} connections; retry later")
-            assert isinstance(transport, asyncio.WriteTransport)
-            transport.write(_raw_reply(503, "Service Unavailable", error))
-            transport.close()
+            # a cast, not an isinstance check: another event loop's transports (uvloop's) are not
+            # registered with asyncio's transport classes
+            writer = cast(asyncio.WriteTransport, transport)
+            writer.write(_raw_reply(503, "Service Unavailable", error))
+            writer.close()
             return
         super().connection_made(transport)
         read_heads(transport)  # a burst's arrival reads heads; bodies wait for their turn
