@@ -69,8 +69,10 @@ def load_model(opened: OpenedModel, config: PipelineConfig, *, tracer: Tracer | 
     fmt = tool_format(family_of(ck).tool_call_format)
     if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
         fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
-    # with the encoder in the engine process, this process loads none (nor, on a GPU, a CUDA context for it)
-    encodes_here = ck.vision_config is not None and not (opened.with_engine and config.encoder_in_engine())
+    # with the encoder in the engine process (build_engine decides), this process loads none (nor, on
+    # a GPU, a CUDA context for it)
+    engine_encodes = opened.engine_process is not None and opened.engine_process.images is not None
+    encodes_here = ck.vision_config is not None and not engine_encodes
     encoder = VisionEncoder(ck, device=device) if encodes_here else None
     engine: Engine | None = opened.engine_process
     grammar: GrammarStage | RemoteGrammarStage

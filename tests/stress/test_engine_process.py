@@ -15,12 +15,10 @@ from pipeline import PipelineConfig
 from pipeline.api.replies import error_reply
 from pipeline.core import engine_link, model_load
 from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_factory import build_engine
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import EngineFailed
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
-from vision.checkpoint import open_checkpoint
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "ignore_eos": True}
 # sampled without a seed: ignore_eos, or a stop token (about 7e-6 a step) may end an answer before the count
@@ -152,32 +150,20 @@ async def test_adds_aborted_at_once_do_not_fill_the_engine_queue(pipe: Pipeline)
 
 
 async def test_a_grammar_setup_that_fails_is_reported_as_the_start_failure() -> None:
-    """The engine process builds its grammar stage while it starts: if that fails, the start fails with
-    the reason (its ``Fatal``), not with a bare exit code."""
+    """The engine process builds its grammar stage while it starts (beside the serving process's own
+    loading): if that fails, the pipeline's start fails with the reason (its ``Fatal``, not a bare exit
+    code nor an exception group), and the preparation workers started meanwhile are stopped."""
     config = PipelineConfig(engine_mode="process", num_kv_blocks=64, max_model_len=1024)
     # past the config's own check (the serving process never builds this stage): only the engine's refuses it
     object.__setattr__(config, "grammar_backend", "neither")
-    engine = build_engine(open_checkpoint(config.model, config.cache_dir), config, device=config.resolved_device())
-    assert isinstance(engine, ProcessEngine)
-    with anyio.fail_after(120), pytest.raises(EngineFailed) as info:
-        await engine.start()
-    assert info.value.code == "engine_failed"
-    assert "ValueError: backend must be auto, xgrammar or llguidance, got 'neither'" in info.value.message
-    assert engine.pid is None  # reaped
-
-
-async def test_a_pipeline_whose_engine_process_cannot_start_raises_why_and_leaves_nothing() -> None:
-    """The engine process starts beside the serving process's loading: its failure is the start's
-    error (not an exception group), and the preparation workers started meanwhile are stopped."""
-    config = PipelineConfig(engine_mode="process", num_kv_blocks=64, max_model_len=1024)
-    object.__setattr__(config, "grammar_backend", "neither")  # refused in the engine process alone
     pipe = Pipeline(config)
     with anyio.fail_after(120), pytest.raises(EngineFailed) as info:
         async with pipe:
             pass
-    assert "got 'neither'" in info.value.message
+    assert info.value.code == "engine_failed"
+    assert "ValueError: backend must be auto, xgrammar or llguidance, got 'neither'" in info.value.message
     assert pipe.state.value == "stopped"
-    assert _engine(pipe).pid is None
+    assert _engine(pipe).pid is None  # reaped
     pool = pipe.preparation.pool
     assert pool is not None and all(w.process is None for w in pool._workers)  # stopped and reaped
 
