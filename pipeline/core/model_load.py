@@ -1,10 +1,10 @@
 """What ``Pipeline`` start loads before any stage runs: the checkpoint, the vision encoder, the engine,
 the grammar stage and the model's tool-call format (seconds of synchronous work: run it off the loop).
 
-It loads in two steps so that an engine process can start beside the rest: ``open_model`` checks the
+It loads in two steps so that the processes a pipeline starts load beside it: ``open_model`` checks the
 checkpoint can be served and builds the engine process's client (cheap), and ``load_model`` loads the
-rest (the tokenizer, the encoder, a thread engine's model, the grammar stage) while that process loads
-its own model.
+rest (the tokenizer, the encoder, a thread engine's model, the grammar stage) while the engine process
+loads its own model and the preparation workers load theirs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ class OpenedModel:
     checkpoint: Checkpoint
     engine_process: ProcessEngine | None  # None: a thread engine (load_model builds it), or none
     with_engine: bool
+
+    @property
+    def encodes_here(self) -> bool:
+        """Whether this process runs the vision encoder (or its preparation workers do): not when the
+        engine process encodes (build_engine decides), nor for a text-only model."""
+        engine_encodes = self.engine_process is not None and self.engine_process.images is not None
+        return self.checkpoint.vision_config is not None and not engine_encodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +76,8 @@ def load_model(opened: OpenedModel, config: PipelineConfig, *, tracer: Tracer | 
     fmt = tool_format(family_of(ck).tool_call_format)
     if fmt.marker is not None and single_token_id(ck.tokenizer, fmt.marker) is None:
         fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
-    # with the encoder in the engine process (build_engine decides), this process loads none (nor, on
-    # a GPU, a CUDA context for it)
-    engine_encodes = opened.engine_process is not None and opened.engine_process.images is not None
-    encodes_here = ck.vision_config is not None and not engine_encodes
-    encoder = VisionEncoder(ck, device=device) if encodes_here else None
+    # with the encoder in the engine process, this process loads none (nor, on a GPU, a CUDA context for it)
+    encoder = VisionEncoder(ck, device=device) if opened.encodes_here else None
     engine: Engine | None = opened.engine_process
     grammar: GrammarStage | RemoteGrammarStage
     if opened.engine_process is not None:

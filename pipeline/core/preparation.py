@@ -27,7 +27,6 @@ from pipeline.core.stage_factory import (
     build_decode_stage,
     build_encoder_cache,
     build_fetch_stage,
-    build_image_pool,
     build_template_stage,
     build_vision_stage,
 )
@@ -40,6 +39,7 @@ from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
+from stages.process_pool import ImagePool
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
 from vision.image_text import ImageText
@@ -85,6 +85,7 @@ class Preparation:
         checkpoint: Checkpoint,
         encoder: VisionEncoder | None,
         grammar: GrammarStage | RemoteGrammarStage,
+        pool: ImagePool | None,
         *,
         turns: LoopTurns,
         metrics: Metrics,
@@ -105,7 +106,7 @@ class Preparation:
         processor = checkpoint.image_processor
         longest = target_longest_edge(processor)
         self.fetch = build_fetch_stage(cfg)
-        self.pool = build_image_pool(cfg, checkpoint, encoder, longest)
+        self.pool = pool  # the pipeline's: started beside the model's loading, closed after the stages
         self.decode = build_decode_stage(cfg, processor, longest, self.pool)
         image_text = ImageText.from_checkpoint(checkpoint.config, tokenizer) if processor else None
         self.template = build_template_stage(cfg, tokenizer, self.image_token_id, image_text)
@@ -120,11 +121,6 @@ class Preparation:
         self.stages = self._build_stages()
         self.turns = turns  # the pipeline's: wrapping an engine input takes one (see ``prepared``)
         self._tg: TaskGroup | None = None
-
-    async def start_workers(self) -> None:
-        """Start the preparation workers and wait until they are ready (a no-op in thread mode)."""
-        if self.pool is not None:
-            await self.pool.start_all()
 
     def admit(self, job: Job[PreparedRequest]) -> None:
         """Put ``job`` into the first stage and start its grammar compile beside the stages.
@@ -182,8 +178,6 @@ class Preparation:
         if self.vision is not None:
             await self.vision.aclose()
         await self.fetch.aclose()
-        if self.pool is not None:
-            await self.pool.aclose()
 
     def _build_stages(self) -> list[StageWorkers]:
         cfg = self.config

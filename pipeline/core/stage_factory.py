@@ -9,6 +9,8 @@ import hashlib
 from functools import partial
 from typing import Any
 
+import torch
+
 from pipeline.config import PipelineConfig
 from sampling.llguidance_backend import LLGuidanceBackend
 from stages.decode import DecodeStage
@@ -24,7 +26,7 @@ from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
 from vision.image_text import ImageText
 from vision.image_worker import ImageWorkerSpec
-from vision.preprocess import ImageTokenIds, preprocess_image
+from vision.preprocess import ImageTokenIds, preprocess_image, target_longest_edge
 
 __all__ = [
     "build_decode_stage",
@@ -97,10 +99,9 @@ def build_fetch_stage(cfg: PipelineConfig) -> FetchStage:
     )
 
 
-def build_image_pool(
-    cfg: PipelineConfig, checkpoint: Checkpoint, encoder: VisionEncoder | None, longest_edge: int | None
-) -> ImagePool | None:
-    """The worker processes of process mode (for a model that takes images)."""
+def build_image_pool(cfg: PipelineConfig, checkpoint: Checkpoint, *, encodes_here: bool) -> ImagePool | None:
+    """The worker processes of process mode (for a model that takes images); ``encodes_here``: the
+    serving process's side runs the vision encoder (not the engine process)."""
     if cfg.preparation_mode != "process" or cfg.inline_preparation or checkpoint.image_processor is None:
         return None
     # The encoder runs in the workers when it runs on the CPU: there it is GIL-free torch work
@@ -109,8 +110,8 @@ def build_image_pool(
     spec = ImageWorkerSpec(
         checkpoint_path=str(checkpoint.path),
         max_pixels=cfg.max_image_pixels,
-        target_longest_edge=longest_edge,
-        encode=encoder is not None and encoder.device.type == "cpu",
+        target_longest_edge=target_longest_edge(checkpoint.image_processor),
+        encode=encodes_here and torch.device(cfg.resolved_device()).type == "cpu",
         nice=cfg.prep_worker_nice,
         task=cfg.prep_worker_task,
     )

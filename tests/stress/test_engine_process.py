@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import anyio
 import pytest
@@ -17,6 +18,7 @@ from pipeline.core import engine_link, model_load
 from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import EngineFailed
+from stages import process_pool
 from tests.released import assert_released
 from tests.stages.test_process_pool import wait_gone
 
@@ -149,7 +151,36 @@ async def test_adds_aborted_at_once_do_not_fill_the_engine_queue(pipe: Pipeline)
         await assert_released(pipe)
 
 
-async def test_a_grammar_setup_that_fails_is_reported_as_the_start_failure() -> None:
+@dataclass
+class Started:
+    """The engine processes and preparation workers started while a test runs."""
+
+    engines: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def all_reaped(self) -> bool:
+        return all(p.returncode is not None for p in self.engines + self.workers)
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Started:
+    record = Started()
+    spawn_engine, launch_worker = engine_link._spawn, process_pool._launch
+
+    def engine(fd: int, inherited: tuple[int, ...]) -> subprocess.Popen[bytes]:
+        record.engines.append(spawn_engine(fd, inherited))
+        return record.engines[-1]
+
+    def worker(fd: int) -> subprocess.Popen[bytes]:
+        record.workers.append(launch_worker(fd))
+        return record.workers[-1]
+
+    monkeypatch.setattr(engine_link, "_spawn", engine)
+    monkeypatch.setattr(process_pool, "_launch", worker)
+    return record
+
+
+async def test_a_grammar_setup_that_fails_is_reported_as_the_start_failure(started: Started) -> None:
     """The engine process builds its grammar stage while it starts (beside the serving process's own
     loading): if that fails, the pipeline's start fails with the reason (its ``Fatal``, not a bare exit
     code nor an exception group), and the preparation workers started meanwhile are stopped."""
@@ -163,32 +194,25 @@ async def test_a_grammar_setup_that_fails_is_reported_as_the_start_failure() -> 
     assert info.value.code == "engine_failed"
     assert "ValueError: backend must be auto, xgrammar or llguidance, got 'neither'" in info.value.message
     assert pipe.state.value == "stopped"
-    assert _engine(pipe).pid is None  # reaped
-    pool = pipe.preparation.pool
-    assert pool is not None and all(w.process is None for w in pool._workers)  # stopped and reaped
+    assert len(started.engines) == 1 and len(started.workers) == config.num_prep_workers()
+    assert started.all_reaped()  # the engine process and the preparation workers: stopped and reaped
 
 
 async def test_a_serving_load_that_fails_kills_the_engine_process_starting_beside_it(
-    monkeypatch: pytest.MonkeyPatch,
+    started: Started, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The serving process's loading fails while the engine process loads its model: the start raises
     that failure as it is, and the engine process is killed and reaped (no orphan)."""
-    spawned: list[subprocess.Popen[bytes]] = []
-
-    def spawn(fd: int, inherited: tuple[int, ...]) -> subprocess.Popen[bytes]:
-        spawned.append(real_spawn(fd, inherited))
-        return spawned[-1]
 
     def broken_grammar_stage(*args: object) -> None:
         raise RuntimeError("the grammar stage could not be built")
 
-    real_spawn = engine_link._spawn
-    monkeypatch.setattr(engine_link, "_spawn", spawn)
     monkeypatch.setattr(model_load, "build_remote_grammar_stage", broken_grammar_stage)
     pipe = Pipeline(PipelineConfig(engine_mode="process", num_kv_blocks=64, max_model_len=1024))
     with anyio.fail_after(120), pytest.raises(RuntimeError, match="grammar stage could not be built"):
         async with pipe:
             pass
     assert pipe.state.value == "stopped"
-    assert len(spawned) == 1  # the engine process had started: the serving side loads in a thread meanwhile
-    assert spawned[0].poll() is not None  # killed and reaped
+    # the engine process had started: the serving side loads in a thread meanwhile
+    assert len(started.engines) == 1
+    assert started.all_reaped()

@@ -60,7 +60,7 @@ async def test_loop_gap_stays_small_during_an_image_burst() -> None:
         pool, cache = pipe.preparation.pool, pipe.preparation.encoder_cache
         assert pool is not None and cache is not None
         # warm up: worker start and first-call costs are not the loop's fault
-        await pipe.preparation.start_workers()
+        await pool.start_all()
         async with anyio.create_task_group() as tg:
             for request in requests[BURST:]:
                 tg.start_soon(pipe.prepare, request)  # one per worker
