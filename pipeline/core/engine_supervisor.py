@@ -89,6 +89,10 @@ class EngineSupervisor:
         """Where the hang watchdog runs and new engine processes are started after a failure."""
         self._tg = tg
         tg.start_soon(self._watch)
+        if self.status == "restarting" and self._link is not None:
+            # lost after its start, while the pipeline still loaded: there was no task group to start
+            # another in then
+            tg.start_soon(self._restart, self._link)
 
     async def aclose(self) -> None:
         """Stop the engine process (a stop message, then SIGKILL after a grace period) and wait for it."""

@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 from prometheus_client.registry import Collector
 
@@ -190,6 +191,7 @@ class Pipeline:
         model = self._model = await anyio.to_thread.run_sync(
             functools.partial(load_model, opened, self.config, tracer=self.tracer)
         )
+        await anyio.lowlevel.checkpoint_if_cancelled()  # another step failed meanwhile: build nothing more
         self._preparation = Preparation(
             self.config,
             model.checkpoint,

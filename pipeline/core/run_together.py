@@ -16,13 +16,17 @@ __all__ = ["run_together"]
 
 async def run_together(*steps: Callable[[], Awaitable[object]]) -> None:
     """Run ``steps`` concurrently until all return; the first to raise cancels the rest, and its
-    exception is raised once they have stopped (cancellation from outside propagates as usual)."""
-    failed: list[Exception] = []
+    exception is raised once they have stopped (what the others raise meanwhile is dropped: the
+    first is the cause). Cancellation from outside propagates as usual."""
+    failed: list[BaseException] = []
+    cancelled = anyio.get_cancelled_exc_class()
 
     async def run(step: Callable[[], Awaitable[object]]) -> None:
         try:
             await step()
-        except Exception as exc:
+        except cancelled:
+            raise
+        except BaseException as exc:  # a native panic (pyo3's PanicException) or an interrupt too
             if not failed:
                 failed.append(exc)
             tg.cancel_scope.cancel()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.api.replies import error_reply
 from pipeline.core import engine_link, model_load
+from pipeline.core import pipeline as pipeline_module
 from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import EngineFailed
@@ -216,3 +219,36 @@ async def test_a_serving_load_that_fails_kills_the_engine_process_starting_besid
     # the engine process had started: the serving side loads in a thread meanwhile
     assert len(started.engines) == 1
     assert started.all_reaped()
+
+
+async def test_an_engine_process_lost_while_the_pipeline_still_loads_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine process may be ready, and die, before the serving process has loaded: the pipeline
+    then starts with a new one loading, not with an engine that stays lost."""
+    lost = threading.Event()
+
+    def load_after_a_loss(opened: model_load.OpenedModel, config: PipelineConfig, **kwargs: Any) -> Any:
+        engine = opened.engine_process
+        assert engine is not None
+        noticed = engine._on_lost
+
+        def on_lost(link: engine_link.EngineLink) -> None:
+            noticed(link)
+            lost.set()
+
+        engine._on_lost = on_lost  # type: ignore[method-assign]
+        anyio.from_thread.run(engine.wait_started)
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        assert lost.wait(60) and engine.status == "restarting"
+        return model_load.load_model(opened, config, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "load_model", load_after_a_loss)
+    config = PipelineConfig(engine_mode="process", preparation_mode="thread", num_kv_blocks=64, max_model_len=1024)
+    with anyio.fail_after(120):
+        async with Pipeline(config) as pipe:
+            assert lost.is_set()
+            await _engine(pipe).wait_started()  # a new engine process, started once the pipeline could
+            assert (await (await pipe.submit(SHORT)).result()).completion_tokens == 4
+            assert _engine(pipe).num_failures == 1

@@ -53,3 +53,25 @@ async def test_a_cancellation_from_outside_propagates() -> None:
     with anyio.move_on_after(0.01) as scope:
         await run_together(anyio.sleep_forever, anyio.sleep_forever)
     assert scope.cancelled_caught
+
+
+class Panic(BaseException):
+    """Like pyo3's PanicException: a BaseException that is not an interrupt."""
+
+
+async def test_a_base_exception_is_the_failure_too_and_a_later_one_does_not_replace_it() -> None:
+    first_failed = anyio.Event()
+
+    async def panics() -> None:
+        raise Panic("native code")
+
+    async def interrupted_while_cancelled() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            first_failed.set()
+            raise KeyboardInterrupt  # raised while cancelled by the first failure: dropped
+
+    with anyio.fail_after(5), pytest.raises(Panic, match="native code"):
+        await run_together(interrupted_while_cancelled, panics)
+    assert first_failed.is_set()
