@@ -21,7 +21,14 @@ from sampling.paged_runner import PagedRunner
 from vision.checkpoint import Checkpoint
 from vision.encoder import embedding_row_bytes
 
-__all__ = ["Engine", "build_engine", "build_llm_engine", "check_fits", "num_kv_blocks"]
+__all__ = [
+    "Engine",
+    "build_llm_engine",
+    "build_process_engine",
+    "build_thread_engine",
+    "check_fits",
+    "num_kv_blocks",
+]
 
 Engine = AsyncEngine | ProcessEngine  # the pipeline uses both through the same calls
 
@@ -105,26 +112,32 @@ def build_llm_engine(
     )
 
 
-def build_engine(
+def build_process_engine(
     checkpoint: Checkpoint, config: PipelineConfig, *, device: str, tracer: Tracer | None = None
-) -> Engine:
-    """The decode engine of ``checkpoint``, sized by ``config``: on its own thread, or (``engine_mode``
-    "process") the client of an engine process that ``start()`` starts (the model loads there)."""
-    if config.engine_mode == "process":
-        encodes = config.encoder_in_engine() and checkpoint.vision_config is not None
-        spec = EngineProcessSpec(config, str(checkpoint.path), device, trace=tracer is not None, encodes=encodes)
-        row_bytes = embedding_row_bytes(checkpoint, device)
-        return ProcessEngine(
-            spec,
-            queue_size=config.engine_queue_size,
-            step_timeout_s=config.engine_step_timeout_s,
-            start_timeout_s=config.engine_start_timeout_s,
-            retry_after_s=config.retry_after_s,
-            token_table=functools.cache(
-                lambda: TokenBytes.from_tokenizer(checkpoint.tokenizer_info, checkpoint.tokenizer).table
-            ),
-            tracer=tracer,
-            images=ImageIndex(config.encoder_cache_bytes, row_bytes) if encodes else None,
-        )
+) -> ProcessEngine:
+    """The client of ``checkpoint``'s engine process (``engine_mode`` "process"), sized by ``config``;
+    ``start()`` starts the process, which loads the model (and, per ``config``, the vision encoder)."""
+    encodes = config.encoder_in_engine() and checkpoint.vision_config is not None
+    spec = EngineProcessSpec(config, str(checkpoint.path), device, trace=tracer is not None, encodes=encodes)
+    row_bytes = embedding_row_bytes(checkpoint, device)
+    return ProcessEngine(
+        spec,
+        queue_size=config.engine_queue_size,
+        step_timeout_s=config.engine_step_timeout_s,
+        start_timeout_s=config.engine_start_timeout_s,
+        retry_after_s=config.retry_after_s,
+        token_table=functools.cache(
+            lambda: TokenBytes.from_tokenizer(checkpoint.tokenizer_info, checkpoint.tokenizer).table
+        ),
+        tracer=tracer,
+        images=ImageIndex(config.encoder_cache_bytes, row_bytes) if encodes else None,
+    )
+
+
+def build_thread_engine(
+    checkpoint: Checkpoint, config: PipelineConfig, *, device: str, tracer: Tracer | None = None
+) -> AsyncEngine:
+    """``checkpoint``'s decode engine on a thread of this process (``engine_mode`` "thread"), sized by
+    ``config`` (loads the model: seconds)."""
     engine = build_llm_engine(checkpoint, config, device=device, tracer=tracer)
     return AsyncEngine(engine, queue_size=config.engine_queue_size)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.config import PipelineConfig
 from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_factory import Engine, build_engine
+from pipeline.core.engine_factory import Engine, build_process_engine, build_thread_engine
 from pipeline.core.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
 from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.observability.trace import Tracer
@@ -39,7 +39,7 @@ class OpenedModel:
     @property
     def encodes_here(self) -> bool:
         """Whether this process runs the vision encoder (or its preparation workers do): not when the
-        engine process encodes (build_engine decides), nor for a text-only model."""
+        engine process encodes (build_process_engine decides), nor for a text-only model."""
         engine_encodes = self.engine_process is not None and self.engine_process.images is not None
         return self.checkpoint.vision_config is not None and not engine_encodes
 
@@ -63,8 +63,7 @@ def open_model(config: PipelineConfig, *, with_engine: bool, tracer: Tracer | No
     ck = open_checkpoint(config.model, config.cache_dir)
     family_of(ck)  # the registry's refusal, before an engine process spends seconds loading it
     process = with_engine and config.engine_mode == "process"
-    engine = build_engine(ck, config, device=config.resolved_device(), tracer=tracer) if process else None
-    assert engine is None or isinstance(engine, ProcessEngine)
+    engine = build_process_engine(ck, config, device=config.resolved_device(), tracer=tracer) if process else None
     return OpenedModel(ck, engine, with_engine)
 
 
@@ -78,12 +77,12 @@ def load_model(opened: OpenedModel, config: PipelineConfig, *, tracer: Tracer | 
         fmt = dataclasses.replace(fmt, marker_is_token=False)  # auto: the grammar spans the answer
     # with the encoder in the engine process, this process loads none (nor, on a GPU, a CUDA context for it)
     encoder = VisionEncoder(ck, device=device) if opened.encodes_here else None
-    engine: Engine | None = opened.engine_process
+    engine: Engine | None
     grammar: GrammarStage | RemoteGrammarStage
     if opened.engine_process is not None:
-        grammar = build_remote_grammar_stage(config, ck, opened.engine_process)  # the engine process compiles
+        engine = opened.engine_process
+        grammar = build_remote_grammar_stage(config, ck, engine)  # the engine process compiles
     else:
-        if opened.with_engine:
-            engine = build_engine(ck, config, device=device, tracer=tracer)
+        engine = build_thread_engine(ck, config, device=device, tracer=tracer) if opened.with_engine else None
         grammar = build_grammar_stage(config, ck)
     return LoadedModel(ck, encoder, engine, grammar, fmt)

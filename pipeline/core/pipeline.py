@@ -57,6 +57,16 @@ async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
         await close()
 
 
+def _in_turn(*steps: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """One step that runs ``steps`` one after the other."""
+
+    async def run() -> None:
+        for step in steps:
+            await step()
+
+    return run
+
+
 class Pipeline:
     """The request pipeline and decode engine of one model; use as ``async with Pipeline(cfg) as p``."""
 
@@ -153,6 +163,9 @@ class Pipeline:
             if pool is not None:
                 stack.push_async_callback(_shielded, pool.aclose)
             stack.push_async_callback(_shielded, self._close_preparation)
+            if opened.engine_process is not None:  # a thread engine is built by _load
+                self._engine = opened.engine_process
+                stack.push_async_callback(_shielded, opened.engine_process.aclose)
             await run_together(*self._start_steps(opened, pool))
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tg.cancel_scope.cancel)
@@ -169,21 +182,18 @@ class Pipeline:
     def _start_steps(self, opened: OpenedModel, pool: ImagePool | None) -> list[Callable[[], Awaitable[None]]]:
         """What a start runs at once: this process's loading, the preparation workers' start, an engine
         process's start (each loads its own parts for seconds; the first request waits for none)."""
-        load = functools.partial(self._load, opened, pool)
-        if opened.engine_process is None:
-            return [load, pool.start_all] if pool is not None else [load]
-        self._engine = opened.engine_process
-        self._stack.push_async_callback(_shielded, opened.engine_process.aclose)
+        load: Callable[[], Awaitable[None]] = functools.partial(self._load, opened, pool)
+        process = opened.engine_process
+        steps: list[Callable[[], Awaitable[None]]]
         if pool is None:
-            return [load, opened.engine_process.start]
-
-        async def load_then_workers() -> None:
+            steps = [load]
+        elif process is None:
+            steps = [load, pool.start_all]
+        else:
             # the workers start once this process has loaded: started with it, beside the engine
             # process (the longest), they made the whole start slower (11.9-12.0 s against 11.4-11.5)
-            await load()
-            await pool.start_all()
-
-        return [load_then_workers, opened.engine_process.start]
+            steps = [_in_turn(load, pool.start_all)]
+        return steps if process is None else [*steps, process.start]
 
     async def _load(self, opened: OpenedModel, pool: ImagePool | None) -> None:
         """Load the model's parts (in a worker thread), build the stages around ``pool`` and start a
@@ -210,7 +220,7 @@ class Pipeline:
             self.tracer,
             waiting=(lambda: engine.room.num_waiting) if engine is not None else lambda: 0,
         )
-        if engine is not None and engine is not opened.engine_process:
+        if engine is not None and opened.engine_process is None:
             await engine.start()  # a thread engine: its thread
             self._stack.push_async_callback(_shielded, engine.aclose)
 
