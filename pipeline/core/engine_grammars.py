@@ -9,17 +9,23 @@ started since). A compiled grammar is not sent: serializing one costs 3-20x its 
 
 The stage runs on an event loop of its own (a thread, ``anyio.from_thread``); its compiles on worker
 threads (both backends release the GIL), so the decode loop only hands specs over and reads results.
+It hands them over without waiting: a portal's ``start_task_soon`` returns only once the stage's loop
+has run the spawn, a round trip through another thread's wake-up (and a free core) per guided add.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Callable
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from pipeline.config import PipelineConfig
@@ -31,6 +37,8 @@ from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint
 
 __all__ = ["EngineGrammars", "verdict_of"]
+
+logger = logging.getLogger(__name__)
 
 
 def verdict_of(token: int, outcome: CompiledConstraint | BaseException, stage: GrammarStage) -> GrammarVerdict:
@@ -65,6 +73,12 @@ class EngineGrammars:
         self._exit = contextlib.ExitStack()
         self._portal: BlockingPortal = self._exit.enter_context(start_blocking_portal())
         self._stop: anyio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the portal's (asyncio, anyio's default)
+        self._tg: TaskGroup | None = None
+        # calls the decode loop posts (appended on its thread, taken on the stage's: deque operations
+        # are atomic), and the event that wakes their taker
+        self._posts: deque[tuple[Callable[..., object], tuple[Any, ...]]] = deque()
+        self._posted: anyio.Event | None = None
         self._watched: set[str] = set()  # specs whose stand-in's replacement will be told
         # tokens asked and not yet answered: added on the decode loop's thread, discarded on the stage's
         # (set operations are atomic under the GIL)
@@ -73,14 +87,64 @@ class EngineGrammars:
 
     async def _run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._stop = anyio.Event()
+        self._posted = anyio.Event()
+        self._loop = asyncio.get_running_loop()
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             self.stage.attach(tg)
+            tg.start_soon(self._take_posts)
             task_status.started()
             await self._stop.wait()
             tg.cancel_scope.cancel()
 
+    async def _take_posts(self) -> None:
+        """Run the posted calls, in order, in a task of the stage's loop (where they may start tasks)."""
+        while True:
+            assert self._posted is not None
+            await self._posted.wait()
+            self._posted = anyio.Event()  # set by the next post's wake-up, which comes after this
+            while self._posts:
+                fn, args = self._posts.popleft()
+                try:
+                    fn(*args)
+                except Exception:  # a bug of one call: the stage and the later calls go on
+                    logger.exception("engine grammars: a call posted by the decode loop failed")
+
+    def _wake_taker(self) -> None:
+        assert self._posted is not None
+        self._posted.set()
+
+    def _post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the stage's loop soon; the caller does not wait for it."""
+        assert self._loop is not None
+        self._posts.append((fn, args))
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the process is stopping
+            self._loop.call_soon_threadsafe(self._wake_taker)
+
+    def _start(self, func: Callable[..., Awaitable[Any]], *args: Any) -> Future[Any]:
+        """A task of the stage's loop running ``func(*args)``: its outcome in the future returned
+        (cancelled if the stage stops first)."""
+        future: Future[Any] = Future()
+
+        async def run() -> None:
+            try:
+                result = await func(*args)
+            except anyio.get_cancelled_exc_class():
+                future.cancel()
+                raise
+            except BaseException as exc:
+                future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                future.set_result(result)
+
+        assert self._tg is not None
+        self._post(self._tg.start_soon, run)
+        return future
+
     def _compile(self, spec: GrammarSpec) -> Future[CompiledConstraint]:
-        return self._portal.start_task_soon(self._for_add, spec)
+        return self._start(self._for_add, spec)
 
     async def _for_add(self, spec: GrammarSpec) -> CompiledConstraint:
         """The constraint of an add's spec. Its verdict was the request's use of it: a stand-in found
@@ -107,7 +171,7 @@ class EngineGrammars:
         unasked verdict (token 0) once xgrammar's compile, if one runs (from the spec's second
         verdict on), has replaced it."""
         self._owed.add(token)
-        self._portal.start_task_soon(self._answer, token, spec)
+        self._start(self._answer, token, spec)
 
     async def _answer(self, token: int, spec: GrammarSpec) -> None:
         outcome: CompiledConstraint | BaseException
@@ -131,7 +195,7 @@ class EngineGrammars:
     def idle(self, token: int) -> None:
         """Send ``GrammarsIdle(token)`` once no compile runs."""
         self._owed.add(token)
-        future = self._portal.start_task_soon(self.stage.wait_idle)
+        future = self._start(self.stage.wait_idle)
         future.add_done_callback(lambda _: self._answered(GrammarsIdle(token)))
 
     def cached(self, spec: GrammarSpec) -> Any | None:
@@ -143,7 +207,7 @@ class EngineGrammars:
         if not isinstance(entry, CompiledConstraint):
             return None
         # on the stage's loop: reordering the cache from this thread could break an eviction's walk there
-        self._portal.start_task_soon(self.stage.mark_used, spec)
+        self._post(self.stage.mark_used, spec)
         return entry.grammar
 
     def grammar_of(self, spec: GrammarSpec) -> Future[Any]:

@@ -5,6 +5,7 @@ process's 400, and adds served from the same cache."""
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,3 +106,48 @@ def test_an_add_that_finds_its_grammar_counts_as_a_use_of_the_cache(
         assert [grammars.stage.lookup(spec) is not None for spec in specs] == [True, False, True, True, True]
     finally:
         grammars.close()
+
+
+@pytest.fixture
+def llguidance_grammars(checkpoint: Checkpoint, sent: queue.Queue[Any]) -> Iterator[EngineGrammars]:
+    g = EngineGrammars(PipelineConfig(grammar_backend="llguidance"), checkpoint, send=sent.put, on_done=lambda: None)
+    yield g
+    g.close()
+
+
+def test_the_decode_loop_hands_work_over_without_waiting_for_the_stages_loop(
+    llguidance_grammars: EngineGrammars, sent: queue.Queue[Any]
+) -> None:
+    """The decode loop's calls return while the stage's loop cannot run (a portal's calls wait for it,
+    a wake-up of another thread per guided add); what they asked for is done once it runs again."""
+    grammars = llguidance_grammars  # one backend: a hit starts no background compile
+    grammars.verdict(1, SPEC)
+    assert sent.get(timeout=120).error is None
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(timeout=120)
+
+    grammars._post(hold)
+    assert entered.wait(timeout=120)
+    asked: dict[str, Any] = {}
+
+    def decode_loop() -> None:
+        asked["cached"] = grammars.cached(SPEC)
+        grammars.verdict(2, SPEC)
+        asked["get"] = grammars.get(SPEC)
+        grammars.idle(3)
+
+    caller = threading.Thread(target=decode_loop)
+    caller.start()
+    caller.join(timeout=60)  # against a hang: the calls would wait as long as the stage's loop is held
+    held = caller.is_alive()
+    release.set()
+    caller.join(timeout=120)
+    assert not held, "a call from the decode loop waited for the stage's loop"
+    assert isinstance(asked["cached"], LLGrammar)
+    assert asked["get"].result(timeout=120).grammar is asked["cached"]
+    answers = sorted((sent.get(timeout=120), sent.get(timeout=120)), key=lambda m: type(m).__name__)
+    assert isinstance(answers[0], GrammarVerdict) and answers[0].token == 2 and answers[0].error is None
+    assert answers[1] == GrammarsIdle(3)
