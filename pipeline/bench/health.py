@@ -8,6 +8,10 @@ The server runs in its own process, the burst in this one, and the probe in a th
 thread of the burst's process waited for that interpreter's lock behind the burst client's own work
 (sending 128 bodies of 595 KB), up to the 5 ms switch interval per wake-up, and counted it as the
 server's latency.
+
+``--floor`` also probes an idle server (an aiohttp app whose ``/health`` does nothing else, in a
+process of its own) during each burst, the same way: what the machine, busy with the burst, allows
+any server, so that a server's latency above it is its own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from tqdm import tqdm
 
 from pipeline.bench.common import (
@@ -44,6 +49,7 @@ __all__ = ["add_arguments", "run"]
 # (unbounded pool); all on the loop
 MODES = ("pipeline", "engine-thread", "threads", "unbounded", "inline")
 IMAGES = ("distinct", "repeated")
+FLOOR_KEYS = ("floor_p50_ms", "floor_p99_ms", "floor_max_ms")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="passed to every server")
     parser.add_argument("--images", default=",".join(IMAGES), help="distinct, repeated or both, comma-separated")
     parser.add_argument("--servers", default=",".join(MODES), help=f"servers to run, of {', '.join(MODES)}")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also probe an idle aiohttp server in its own process during each burst (the machine's floor)",
+    )
 
 
 class _Server:
@@ -84,6 +95,45 @@ class _Server:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
+
+
+def _idle_server(conn: Any) -> None:
+    """In a process of its own until terminated: an aiohttp server whose ``/health`` answers and does
+    nothing else; its base URL is sent through ``conn``."""
+
+    async def main() -> None:
+        app = web.Application()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        conn.send(f"http://{host}:{port}")
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+class _IdleServer:
+    """``_idle_server`` in a child process: the floor's subject."""
+
+    def __init__(self) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        receive, send = spawn.Pipe(duplex=False)
+        self.proc = spawn.Process(target=_idle_server, args=(send,), daemon=True)
+        self.proc.start()
+        send.close()
+        if not receive.poll(60):
+            raise RuntimeError("the idle server did not start")
+        self.base: str = receive.recv()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.join(timeout=60)
 
 
 def _probe(base: str, interval: float, ready: Any, stop: Any, conn: Any) -> None:
@@ -134,29 +184,40 @@ def _bodies(jpegs: list[bytes], urls: list[str]) -> list[bytes]:
     return out
 
 
-def _measure(base: str, bodies: list[bytes], interval: float) -> dict[str, float]:
+def _latencies(samples: list[tuple[float, float]], prefix: str = "") -> dict[str, float]:
+    latencies = [lat for _, lat in samples]
+    return {
+        prefix + "p50_ms": percentile(latencies, 50) * 1000,
+        prefix + "p99_ms": percentile(latencies, 99) * 1000,
+        prefix + "max_ms": max(latencies) * 1000,
+    }
+
+
+def _measure(base: str, bodies: list[bytes], interval: float, floor: str | None = None) -> dict[str, Any]:
+    """The burst's ``/health`` latencies at ``base``, and (``floor_*``) at the idle server ``floor``
+    if given, probed alike by a process of its own."""
     spawn = multiprocessing.get_context("spawn")
-    ready, stop = spawn.Event(), spawn.Event()
-    receive, send = spawn.Pipe(duplex=False)
-    probe = spawn.Process(target=_probe, args=(base, interval, ready, stop, send), daemon=True)
-    probe.start()
-    send.close()
-    if not ready.wait(timeout=60):
-        raise RuntimeError("the /health probe did not start")
+    stop = spawn.Event()
+    probes = []
+    for url in [base] + ([floor] if floor else []):
+        ready = spawn.Event()
+        receive, send = spawn.Pipe(duplex=False)
+        probe = spawn.Process(target=_probe, args=(url, interval, ready, stop, send), daemon=True)
+        probe.start()
+        send.close()
+        if not ready.wait(timeout=60):
+            raise RuntimeError("the /health probe did not start")
+        probes.append((probe, receive))
     time.sleep(0.2)  # a few idle samples first
     duration, ok = asyncio.run(_burst(base, bodies))
     stop.set()
-    samples: list[tuple[float, float]] = receive.recv()
-    probe.join()
-    latencies = [lat for _, lat in samples]
-    return {
-        "p50_ms": percentile(latencies, 50) * 1000,
-        "p99_ms": percentile(latencies, 99) * 1000,
-        "max_ms": max(latencies) * 1000,
-        "req_per_s": len(bodies) / duration,
-        "ok": ok,
-        "samples": samples,  # type: ignore[dict-item]
-    }
+    sampled: list[list[tuple[float, float]]] = [receive.recv() for _, receive in probes]
+    for probe, _ in probes:
+        probe.join()
+    out = _latencies(sampled[0])
+    if floor:
+        out |= _latencies(sampled[1], "floor_")
+    return {**out, "req_per_s": len(bodies) / duration, "ok": ok, "samples": sampled[0]}
 
 
 class _ImagesThread:
@@ -208,10 +269,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "pipeline" not in modes:
         raise SystemExit("--servers: the pipeline is the subject, keep it")
     jpegs = DistinctImages().jpegs(0, 1 + args.burst * args.repeats)
-    results: dict[tuple[str, str], list[dict[str, float]]] = {(m, k): [] for m in modes for k in kinds}
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {(m, k): [] for m in modes for k in kinds}
     load_before = load_average()
 
     images = _ImagesThread(jpegs)
+    idle = _IdleServer() if args.floor else None
+    floor = idle.base if idle is not None else None
     with tqdm(total=len(modes) * (len(kinds) * args.repeats + 1), desc="health", file=sys.stderr) as progress:
         bodies = _burst_bodies(args, images, jpegs)
         try:
@@ -225,17 +288,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for r in range(args.repeats):
                         for kind in kinds:
                             results[mode, kind].append(
-                                _measure(server.base, bodies[kind][r], args.probe_interval_ms / 1000)
+                                _measure(server.base, bodies[kind][r], args.probe_interval_ms / 1000, floor)
                             )
                             progress.update()
                 finally:
                     server.stop()
         finally:
             images.stop()
+            if idle is not None:
+                idle.stop()
+    keys = ("p50_ms", "p99_ms", "max_ms", "req_per_s", "ok") + (FLOOR_KEYS if floor else ())
 
     def summary(mode: str, kind: str) -> dict[str, float]:
         runs = results[mode, kind]
-        return {k: median([r[k] for r in runs]) for k in ("p50_ms", "p99_ms", "max_ms", "req_per_s", "ok")}
+        return {k: median([r[k] for r in runs]) for k in keys}
 
     labels = {
         "pipeline": "pipeline (worker processes, engine process)",
@@ -252,9 +318,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind in kinds:
         for mode in modes:
             s = summary(mode, kind)
-            rows.append([labels[mode], kind, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])])
-    print_table(["server", "images", "p50 ms", "p99 ms", "max ms", "req/s", "ok"], rows)
+            row = [labels[mode], kind, s["p50_ms"], s["p99_ms"], s["max_ms"], s["req_per_s"], int(s["ok"])]
+            rows.append(row + [s[k] for k in FLOOR_KEYS if k in s])
+    floor_columns = ["floor p50 ms", "floor p99 ms", "floor max ms"] if floor else []
+    print_table(["server", "images", "p50 ms", "p99 ms", "max ms", "req/s", "ok", *floor_columns], rows)
     print("(targets for the pipeline, both image kinds: p99 <= 5 ms, max <= 25 ms, req/s >= bounded threads')")
+    if floor:
+        print("(floor: an idle aiohttp server in its own process, probed alike during the same bursts)")
 
     def figures_of(kind: str) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -263,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prefixes |= {"inline": "baseline_", "unbounded": "unbounded_"}
         for mode in modes:
             s = summary(mode, kind)
-            for key in ("p50_ms", "p99_ms", "max_ms", "req_per_s"):
+            for key in ("p50_ms", "p99_ms", "max_ms", "req_per_s") + (FLOOR_KEYS if floor else ()):
                 out[prefixes[mode] + key] = round(s[key], 3 if key.endswith("ms") else 2)
         return out
 
@@ -282,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         styles = {"pipeline": "-", "engine-thread": "-", "threads": "-.", "unbounded": "--", "inline": ":"}
         for mode in modes:
             style = styles[mode]
-            samples: list[tuple[float, float]] = results[mode, kinds[0]][-1]["samples"]  # type: ignore[assignment]
+            samples: list[tuple[float, float]] = results[mode, kinds[0]][-1]["samples"]
             t0 = samples[0][0]
             ax.plot([t - t0 for t, _ in samples], [lat * 1000 for _, lat in samples], style, label=mode)
         ax.set_xlabel(f"seconds since the probe started ({kinds[0]} images)")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 
 from pipeline import bench
+from pipeline.bench.health import _IdleServer
 from pipeline.cli import main
 
 
@@ -52,3 +55,14 @@ def test_the_checkpoint_command_lists_its_presets(capsys: pytest.CaptureFixture[
         main(["checkpoint", "--help"])
     assert info.value.code == 0
     assert "pixtral-7b" in capsys.readouterr().out
+
+
+def test_the_health_floor_is_an_idle_server_that_answers_and_stops() -> None:
+    """``bench health --floor`` probes this server beside the one measured."""
+    idle = _IdleServer()
+    try:
+        with urllib.request.urlopen(f"{idle.base}/health", timeout=60) as resp:
+            assert resp.status == 200 and resp.read() == b'{"status": "ok"}'
+    finally:
+        idle.stop()
+    assert idle.proc.exitcode is not None
