@@ -104,6 +104,11 @@ class ProcessEngine(EngineSupervisor):
         """Each token id's bytes (built here once: log-probability entries show them)."""
         return self._token_table()
 
+    def build_token_table(self) -> None:
+        """Build ``token_table`` now: xgrammar's tokenizer info and the table take about 1 s on the
+        embedded model, so the pipeline's load does it, off the event loop."""
+        self._token_table()
+
     # -- the pipeline's calls ---------------------------------------------------------------------
     async def wait_room(self) -> None:
         """Return once the engine has read enough commands for one more add (first come first served);

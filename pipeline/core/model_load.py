@@ -82,6 +82,8 @@ def load_model(opened: OpenedModel, config: PipelineConfig, *, tracer: Tracer | 
     if opened.engine_process is not None:
         engine = opened.engine_process
         grammar = build_remote_grammar_stage(config, ck, engine)  # the engine process compiles
+        # replies read each token's bytes: built here, not by the first reply on the event loop
+        engine.build_token_table()
     else:
         engine = build_thread_engine(ck, config, device=device, tracer=tracer) if opened.with_engine else None
         grammar = build_grammar_stage(config, ck)
