@@ -213,11 +213,13 @@ class EngineServer:
             spans = self.spans.take() if self.spans is not None else []
             if outputs or spans or self._queued_said != self._num_queued():
                 self.send(Step(outputs, self._num_read, *self._figures(), spans=spans))
-            elif self._num_read != self._num_acked or (
-                (busy or owes) and time.monotonic() - self._sent_at >= ALIVE_EVERY_S
-            ):
-                # commands read and no step to say so (adds aborted at once, a barrier's aborts):
-                # the serving process bounds the commands it has not seen read
+            elif self._num_read != self._num_acked:
+                # commands read and no step to say so (adds aborted at once, a barrier's aborts, a
+                # client gone mid-answer): the serving process bounds the commands it has not seen
+                # read, and the figures go with it, since an abort may have left the engine idle
+                # (/health and /metrics would show the last step's sequences until the next request)
+                self.send(Step([], self._num_read, *self._figures()))
+            elif (busy or owes) and time.monotonic() - self._sent_at >= ALIVE_EVERY_S:
                 self.send(Alive(self._num_read))
 
     def _read(self, timeout: float | None) -> bool:

@@ -154,6 +154,26 @@ async def test_adds_aborted_at_once_do_not_fill_the_engine_queue(pipe: Pipeline)
         await assert_released(pipe)
 
 
+async def test_a_request_dropped_mid_answer_leaves_the_figures_idle(pipe: Pipeline) -> None:
+    """A client gone mid-answer: the engine reads the abort and has no step left to report, and
+    still sends its figures, so /health and /metrics say it is idle (not the last step's sequence)."""
+    engine = _engine(pipe)
+    handle = await pipe.submit(LONG)
+    deltas = aiter(handle)
+    with anyio.fail_after(60):
+        await anext(deltas)  # decoding has started: the figures say so
+        assert pipe.decoding()["running_seqs"] == 1
+        await deltas.aclose()  # the consumer goes away: the request is cancelled, the engine told
+        await handle.wait_done()
+        while True:  # the engine has read the abort: the ack has no event of its own to wait on
+            if engine._num_sent == engine._num_acked:
+                break
+            await anyio.sleep(0.01)  # noqa: sleep-ok: polls the client's count of acked commands
+        decoding = pipe.decoding()
+        assert (decoding["running_seqs"], decoding["waiting_seqs"], decoding["kv_blocks_used"]) == (0, 0, 0)
+        await assert_released(pipe)
+
+
 @dataclass
 class Started:
     """The engine processes and preparation workers started while a test runs."""
