@@ -26,11 +26,19 @@ def _fail(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, field=field, stage="admission")
 
 
-def _prompts(raw: str | list[str | int | list[int]]) -> list[str | list[int]]:
+def _check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
+    """:raises InvalidRequest: naming the first id out of the vocabulary (``prompt[1][3]``)."""
+    for j, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise _fail(f"prompt token ids must be in [0, {vocab_size})", f"{where}[{j}]")
+    return ids
+
+
+def _prompts(raw: str | list[str | int | list[int]], vocab_size: int) -> list[str | list[int]]:
     if isinstance(raw, str):
         return [raw]
     if all(isinstance(p, int) for p in raw):
-        return [[int(p) for p in raw]]  # type: ignore[arg-type]  # every item is an int
+        return [_check_ids([int(p) for p in raw], vocab_size, "prompt")]  # type: ignore[arg-type]  # all ints
     if all(isinstance(p, str) for p in raw):
         prompts: list[str | list[int]] = [p for p in raw if isinstance(p, str)]
     elif all(isinstance(p, list) for p in raw):
@@ -48,6 +56,8 @@ def _prompts(raw: str | list[str | int | list[int]]) -> list[str | list[int]]:
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, list) and not prompt:
             raise _fail("a token-id prompt must not be empty", f"prompt[{i}]")
+        if isinstance(prompt, list):
+            _check_ids(prompt, vocab_size, f"prompt[{i}]")
     return prompts
 
 
@@ -72,7 +82,7 @@ def parse_completion_request(
         raise _fail("'suffix' is not supported by this server", "suffix")
     if typed.best_of is not None and typed.best_of != (typed.n or 1):
         raise _fail("'best_of' must equal 'n' when given (no server-side selection)", "best_of")
-    prompts = _prompts(typed.prompt)
+    prompts = _prompts(typed.prompt, vocab_size)
     grammar = request_grammar(typed, body)
     sampling = sampling_params(typed, default_max_tokens, max_model_len, logprobs=typed.logprobs, vocab_size=vocab_size)
     base = f"cmpl-{uuid.uuid4().hex[:16]}"
