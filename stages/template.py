@@ -21,6 +21,10 @@ from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
 __all__ = ["TemplateStage", "single_token_id"]
 
+# A normalizer may shrink a text before it is split into tokens (NFC composes up to three code
+# points into one): the character bound on a prompt leaves this much room for it.
+_SHRINK_ROOM = 4
+
 
 def single_token_id(tokenizer: Any, text: str) -> int | None:
     """The id of ``tokenizer``'s one token whose text is ``text``; None when it writes it in several."""
@@ -81,6 +85,24 @@ class TemplateStage:
         self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
 
+    @functools.cached_property
+    def _longest_token(self) -> int | None:
+        """The characters of the longest vocabulary entry: no token writes more of the text (a
+        byte-level entry has a character per byte); None: the tokenizer lists no vocabulary."""
+        vocab = getattr(self.tokenizer, "get_vocab", None)
+        return max(map(len, vocab()), default=1) if callable(vocab) else None
+
+    def _check_chars(self, text: str, where: str) -> None:
+        """:raises PromptTooLong: a text longer than ``max_prompt_tokens`` tokens could write,
+        refused before tokenizing it (tens of megabytes of text: a minute and gigabytes to count)."""
+        longest = self._longest_token
+        if longest is not None and len(text) > self.max_prompt_tokens * longest * _SHRINK_ROOM:
+            raise PromptTooLong(
+                f"the prompt is {len(text)} characters, more than {self.max_prompt_tokens} tokens can hold; "
+                f"at most {self.max_prompt_tokens} tokens are allowed",
+                field=where,
+            )
+
     @functools.cache  # noqa: B019 - one stage per model, a few marker texts
     def marker_token(self, marker: str | None) -> int | None:
         """The id of the token whose text is ``marker`` (a tool-call marker), None when the tokenizer
@@ -115,6 +137,7 @@ class TemplateStage:
             if self.image_text is not None:
                 ids = self._expanded(self.image_text.expand_ids, ids, images, self.tokenizer, where=where)
         elif prompt is not None:
+            self._check_chars(prompt, where)
             ids = self.tokenizer.encode(self._expand_text(prompt, images, where), add_special_tokens=True)
             bos = self.tokenizer.bos_token_id
             if bos is not None and ids[:1] != [bos]:  # as the chat template starts: some tokenizers add none
@@ -127,6 +150,7 @@ class TemplateStage:
                 )
             except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
                 raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
+            self._check_chars(text, where)
             ids = self.tokenizer.encode(self._expand_text(text, images, where), add_special_tokens=False)
         if self.image_ids is None:
             if images:

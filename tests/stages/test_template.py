@@ -51,6 +51,29 @@ async def test_prompt_length_cap(stage: TemplateStage) -> None:
     assert info.value.status == 400 and "200" in info.value.message
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["messages", "prompt"])
+async def test_a_text_no_prompt_could_hold_is_refused_untokenized(
+    stage: TemplateStage, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, raw: bool
+) -> None:
+    # no token writes more characters than the longest vocabulary entry; 4x room for a normalizer
+    bound = 200 * max(map(len, hf_tokenizer.get_vocab())) * 4
+    text = "a" * (bound + 1)
+    messages = () if raw else parse_chat_request({"messages": [{"role": "user", "content": text}]}).messages
+
+    def encode(*args: Any, **kwargs: Any) -> list[int]:
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(hf_tokenizer, "encode", encode)
+    with pytest.raises(PromptTooLong) as info:
+        await stage.run(messages, [], prompt=text if raw else None)
+    assert info.value.field == ("prompt" if raw else "messages") and "characters" in info.value.message
+    monkeypatch.undo()
+    # under the bound, the text is tokenized and its tokens counted
+    with pytest.raises(PromptTooLong) as info:
+        await stage.run((), [], prompt="a" * (bound // 2))
+    assert "characters" not in info.value.message and "tokens; at most 200" in info.value.message
+
+
 async def test_placeholder_count_must_match(stage: TemplateStage) -> None:
     request = parse_chat_request({"messages": [{"role": "user", "content": "sneaky [IMG] text"}]})
     with pytest.raises(InvalidRequest) as info:
