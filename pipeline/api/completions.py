@@ -156,5 +156,9 @@ async def answer_completions(pipe: Pipeline, requests: list[ChatRequest], tokens
             index=prompt * n + c.index, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs
         )
 
-    choices = [choice(i, c) for i, r in enumerate(results) for c in r.choices]
-    return Reply(200, msgspec.json.encode(msgspec.structs.replace(base, choices=choices, usage=_usage(results))))
+    def reply() -> Reply:
+        choices = [choice(i, c) for i, r in enumerate(results) for c in r.choices]
+        return Reply(200, msgspec.json.encode(msgspec.structs.replace(base, choices=choices, usage=_usage(results))))
+
+    # log probabilities are an object per token: a long answer's would hold the loop for seconds
+    return await anyio.to_thread.run_sync(reply) if wants_logprobs else reply()

@@ -119,7 +119,8 @@ class Api:
         except PipelineError as exc:
             return error_reply(exc)
         wants_logprobs = handle.request.sampling.logprobs is not None
-        async with self.pipe.loop_turns:  # the step goes on to write the reply
+
+        def reply() -> Reply:
             return json_reply(
                 ChatCompletion(
                     id=f"chatcmpl-{handle.request_id}",
@@ -132,6 +133,13 @@ class Api:
                     timings=result.timings,
                 )
             )
+
+        if wants_logprobs:
+            # an object per token and per top entry: 8 choices of 4,000 tokens with 20 each held the
+            # loop for 3 s (/health waited), so a reply with log probabilities is built in a thread
+            return await anyio.to_thread.run_sync(reply)
+        async with self.pipe.loop_turns:  # the step goes on to write the reply
+            return reply()
 
     async def _chat_stream(self, handle: RequestHandle, model: str, created: int, send: Send) -> None:
         chunk_id = f"chatcmpl-{handle.request_id}"

@@ -8,6 +8,7 @@ agreement are exact.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from pipeline import PipelineConfig
+from pipeline.api import completions, routes
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
 from tests.released import assert_released
@@ -92,6 +94,33 @@ async def test_logprobs_whole_and_streamed_agree(client: openai.AsyncOpenAI) -> 
     assert plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         await client.chat.completions.create(**{**kwargs, "logprobs": False}, top_logprobs=2)
+
+
+async def test_a_whole_reply_with_logprobs_is_built_off_the_event_loop(
+    client: openai.AsyncOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object per token and per top entry: a long answer's would hold the loop (and /health) for
+    seconds, so both endpoints build such a reply in a worker thread; a reply without them is not."""
+    built_on: list[bool] = []  # True: on the event loop's thread
+    loop_thread = threading.get_ident()
+
+    def recording(build: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            built_on.append(threading.get_ident() == loop_thread)
+            return build(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(routes, "chat_choice", recording(routes.chat_choice))
+    monkeypatch.setattr(completions, "_logprobs", recording(completions._logprobs))
+    kwargs: Any = {"model": "m", "max_tokens": 3, "temperature": 0}
+    whole = await client.chat.completions.create(**kwargs, messages=MESSAGES, logprobs=True, top_logprobs=2)
+    assert whole.choices[0].logprobs is not None
+    text = await client.completions.create(**kwargs, prompt=["a", "b"], logprobs=2)
+    assert all(c.logprobs is not None for c in text.choices)
+    assert built_on == [False, False, False]  # the chat choice, then the two prompts' entries
+    await client.chat.completions.create(**kwargs, messages=MESSAGES)
+    assert built_on[-1] is True  # no log probabilities: built on the loop, in its turn
 
 
 async def test_logit_bias_bans_and_forces_tokens(
