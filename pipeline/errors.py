@@ -88,11 +88,12 @@ class PipelineError(Exception):
         return self
 
     def to_dict(self) -> dict[str, object]:
-        """OpenAI's error object shape (``{"message", "type", "param", "code"}``)."""
+        """OpenAI's error object shape (``{"message", "type", "param", "code"}``); a message or field
+        that quotes the client at length (a 100 KB model name, a 400-digit number) is clipped."""
         return {
-            "message": self.message,
+            "message": _clipped(self.message),
             "type": self.error_type,
-            "param": self.field,
+            "param": _clipped(self.field),
             "code": self.code,
             "stage": self.stage,
             "request_id": self.request_id,
@@ -101,6 +102,19 @@ class PipelineError(Exception):
     def __str__(self) -> str:
         where = f" [{self.field}]" if self.field else ""
         return f"{self.message}{where}"
+
+
+# what an error reply quotes of the client's input at most: enough to recognise any value
+_QUOTED_CHARS = 1000
+
+
+def _clipped(text: str | None) -> str | None:
+    """``text`` with its middle cut when it is long (the quote is there; what the message says after
+    it, such as the names a server does serve, too)."""
+    if text is None or len(text) <= _QUOTED_CHARS:
+        return text
+    half = _QUOTED_CHARS // 2
+    return f"{text[:half]}... ({len(text) - 2 * half} characters cut) ...{text[-half:]}"
 
 
 class InvalidRequest(PipelineError):

@@ -143,6 +143,18 @@ async def test_model_names(server: Server) -> None:
     assert [m.id for m in (await server.client.models.list()).data] == ["m", "alias"]
 
 
+async def test_an_error_quotes_a_long_value_clipped(server: Server) -> None:
+    """A 100 KB model name, a 400-digit max_tokens: the reply names them without echoing them whole."""
+    status, body = await server.post({**user("x"), "model": "m" * 100_000})
+    assert_openai_error(status, body, 404, "model", "model_not_found")
+    message = body["error"]["message"]
+    assert len(message) < 1_100 and "characters cut" in message and message.endswith("this server serves m, alias")
+    status, body = await server.post(
+        f'{{"messages": [{{"role": "user", "content": "x"}}], "max_tokens": {10**400}}}'.encode()
+    )
+    assert status == 400 and len(body["error"]["message"]) < 1_100
+
+
 async def test_routing_errors_and_the_body_limit_are_openai_json(server: Server) -> None:
     status, body = await server.post({}, path="/v1/nothing")
     assert_openai_error(status, body, 404, None, "not_found")
