@@ -123,14 +123,16 @@ class TemplateStage:
         images: Sequence[ImageGrid],
         tools: tuple[dict[str, Any], ...] = (),
         prompt: str | list[int] | None = None,
+        prompt_field: str = "prompt",
     ) -> list[int]:
         """Prompt token ids with every image expanded to its grid of image tokens (synchronous);
-        ``tools`` go to the template, a raw ``prompt`` (text or ids) replaces the template.
+        ``tools`` go to the template, a raw ``prompt`` (text or ids) replaces the template, and its
+        errors name ``prompt_field``.
 
         :raises InvalidRequest: if the template rejects the conversation or text mimics an image token.
         :raises PromptTooLong: if the prompt exceeds ``max_prompt_tokens``.
         """
-        where = "messages" if prompt is None else "prompt"
+        where = "messages" if prompt is None else prompt_field
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             if not all(0 <= t < vocab for t in prompt):
@@ -197,6 +199,7 @@ class TemplateStage:
         images: Sequence[ImageGrid],
         tools: tuple[dict[str, Any], ...] = (),
         prompt: str | list[int] | None = None,
+        prompt_field: str = "prompt",
     ) -> list[int]:
         """Render and tokenize in a worker thread (finishes even if the caller is cancelled)."""
-        return await self.offload.run(self.render, messages, images, tools, prompt)
+        return await self.offload.run(self.render, messages, images, tools, prompt, prompt_field)

@@ -218,10 +218,12 @@ class Preparation:
         request = prep.request
         plan = request.tools
         tools = plan.tools if plan is not None else ()
-        prep.prompt_ids = await self.template.run(request.messages, prep.images.images, tools, request.prompt)
+        prep.prompt_ids = await self.template.run(
+            request.messages, prep.images.images, tools, request.prompt, request.prompt_field
+        )
         if plan is not None and plan.starts_with_call and plan.format.marker is not None:
             prep.prompt_ids += self.template.marker_ids(plan.format.marker)  # the turn opens with its calls
-        sampling, where = request.sampling, "messages" if request.prompt is None else "prompt"
+        sampling, where = request.sampling, "messages" if request.prompt is None else request.prompt_field
         check_fits(self.config, len(prep.prompt_ids), sampling.n, sampling.max_tokens, where)
         grids = [image.grid_thw for image in prep.images.images]
         if self.rope_index is not None and grids:

@@ -92,6 +92,7 @@ def parse_completion_request(
             sampling=sampling,
             grammar=grammar,
             prompt=prompt,
+            prompt_field=f"prompt[{i}]" if len(prompts) > 1 else "prompt",
             stream=bool(typed.stream),
             include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
             model=typed.model,

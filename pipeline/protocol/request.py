@@ -52,6 +52,7 @@ class ChatRequest:
     grammar: GrammarSpec | None = None
     tools: ToolPlan | None = None  # the answer may (auto) or must call these tools
     prompt: str | list[int] | None = None  # a completions request: the raw prompt, no chat template
+    prompt_field: str = "prompt"  # what its errors name: ``prompt[i]`` for one of several prompts
     stream: bool = False
     include_usage: bool = False
     model: str | None = None

@@ -259,6 +259,14 @@ async def test_completions_take_the_same_constraints(client: openai.AsyncOpenAI)
         await client.completions.create(model="m", prompt=[1, 10**9], max_tokens=2)
 
 
+async def test_a_prompt_too_long_among_several_is_named_by_its_index(client: openai.AsyncOpenAI) -> None:
+    for prompt, param in ((["a", "word " * 3000], "prompt[1]"), ("word " * 3000, "prompt")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="m", prompt=prompt, max_tokens=2)
+        assert isinstance(info.value.body, dict)
+        assert (info.value.body["code"], info.value.body["param"]) == ("context_length_exceeded", param)
+
+
 async def test_an_abandoned_completions_stream_releases_every_prompt(api: tuple[Pipeline, openai.AsyncOpenAI]) -> None:
     pipe, client = api
     body = {"model": "m", "prompt": ["one", "two", "three"], "max_tokens": 2000, "ignore_eos": True, "stream": True}
