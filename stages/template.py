@@ -136,7 +136,7 @@ class TemplateStage:
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             if not all(0 <= t < vocab for t in prompt):
-                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="prompt")
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field=where)
             ids = list(prompt)
             if self.image_text is not None:
                 ids = self._expanded(self.image_text.expand_ids, ids, images, self.tokenizer, where=where)

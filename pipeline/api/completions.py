@@ -14,7 +14,7 @@ from functools import partial
 import anyio
 import msgspec
 
-from pipeline.api.replies import DONE, Reply, Send, StreamReply, event
+from pipeline.api.replies import DONE, Reply, Send, StreamReply, built_reply, event
 from pipeline.api.responses import TokenText
 from pipeline.core.choice import Choice as AnswerChoice
 from pipeline.core.choice import Delta as AnswerDelta
@@ -160,5 +160,4 @@ async def answer_completions(pipe: Pipeline, requests: list[ChatRequest], tokens
         choices = [choice(i, c) for i, r in enumerate(results) for c in r.choices]
         return Reply(200, msgspec.json.encode(msgspec.structs.replace(base, choices=choices, usage=_usage(results))))
 
-    # log probabilities are an object per token: a long answer's would hold the loop for seconds
-    return await anyio.to_thread.run_sync(reply) if wants_logprobs else reply()
+    return await built_reply(reply, per_token=wants_logprobs, turns=pipe.loop_turns)

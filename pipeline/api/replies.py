@@ -10,11 +10,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import msgspec
 
+from pipeline.core.loop_turns import LoopTurns
 from pipeline.errors import Overloaded, PipelineError
 
-__all__ = ["DONE", "SSE_HEADERS", "Reply", "Send", "StreamReply", "error_reply", "event", "json_reply"]
+__all__ = [
+    "DONE",
+    "SSE_HEADERS",
+    "Reply",
+    "Send",
+    "StreamReply",
+    "built_reply",
+    "error_reply",
+    "event",
+    "json_reply",
+]
 
 JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -49,6 +61,16 @@ class StreamReply:
 
 def json_reply(payload: msgspec.Struct | dict[str, Any], status: int = 200) -> Reply:
     return Reply(status, msgspec.json.encode(payload))
+
+
+async def built_reply(build: Callable[[], Reply], *, per_token: bool, turns: LoopTurns) -> Reply:
+    """``build()``'s whole reply: in a worker thread when it holds an object per token and per top
+    entry (log probabilities: 8 choices of 4,000 tokens with 20 each held the loop, and /health, for
+    3 s), else on the loop in its turn (0.1-0.4 ms)."""
+    if per_token:
+        return await anyio.to_thread.run_sync(build)
+    async with turns:
+        return build()
 
 
 def error_reply(error: PipelineError) -> Reply:

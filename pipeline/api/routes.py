@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeline.api.completions import answer_completions
 from pipeline.api.openapi import openapi_json
-from pipeline.api.replies import DONE, Reply, Send, StreamReply, error_reply, event, json_reply
+from pipeline.api.replies import DONE, Reply, Send, StreamReply, built_reply, error_reply, event, json_reply
 from pipeline.api.responses import ChatStream, TokenText, chat_choice
 from pipeline.core.choice import Result
 from pipeline.core.handle import RequestHandle
@@ -134,12 +134,7 @@ class Api:
                 )
             )
 
-        if wants_logprobs:
-            # an object per token and per top entry: 8 choices of 4,000 tokens with 20 each held the
-            # loop for 3 s (/health waited), so a reply with log probabilities is built in a thread
-            return await anyio.to_thread.run_sync(reply)
-        async with self.pipe.loop_turns:  # the step goes on to write the reply
-            return reply()
+        return await built_reply(reply, per_token=wants_logprobs, turns=self.pipe.loop_turns)
 
     async def _chat_stream(self, handle: RequestHandle, model: str, created: int, send: Send) -> None:
         chunk_id = f"chatcmpl-{handle.request_id}"
