@@ -64,16 +64,18 @@ class MaskedSampler:
         greedy: torch.Tensor | None = None
         accepted: set[int] = set()
         masked, fill_before = filled, timing.fill
-        if self.lazy_mask and logits.device.type == "cpu" and any(m is not None for m in matchers):
+        candidates: dict[int, torch.Tensor] = {}
+        lazy = any(m is not None and is_lazy(s) for s, m in zip(seqs, matchers, strict=True))
+        if self.lazy_mask and logits.device.type == "cpu" and lazy:
             greedy, accepted, masked = self._lazy_mask(seqs, matchers, logits, filled, timing)
         if masked:
-            self.guided.apply(logits, masked)
+            candidates = self.guided.apply(logits, masked)
             rows = [r for r in masked if seqs[r].params.is_greedy]
             if greedy is not None and rows:
                 greedy[rows] = greedy_ids(logits[rows])
         t1 = time.perf_counter()
         logprobs = StepLogprobs.compute(logits, params)  # after the mask, before the temperature
-        ids = sample(logits, params, [s.generator for s in seqs], greedy=greedy)
+        ids = sample(logits, params, [s.generator for s in seqs], greedy=greedy, candidates=candidates)
         if logprobs is not None:
             logprobs.pick(ids)
         # the lazy path's accept and fill are timed as such, not as apply

@@ -308,5 +308,10 @@ class StepParts:
                 batch=timing.batch,
                 forward_ms=timing.forward * 1e3,
                 fill_ms=timing.fill * 1e3,
+                wait_ms=timing.wait * 1e3,
+                apply_ms=timing.apply * 1e3,
                 sample_ms=timing.sample * 1e3,
+                copy_ms=timing.copy * 1e3,
+                accept_ms=timing.accept * 1e3,
+                cpu_ms=timing.cpu * 1e3,
             )

@@ -88,3 +88,20 @@ def test_one_seed_one_sequence_of_draws(seed: int) -> None:
         for g in (torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed))
     ]
     assert draws[0] == draws[1]
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.6, top_k=3), SamplingParams(top_p=0.7)], ids=str
+)
+def test_a_row_drawn_among_its_allowed_ids_draws_what_the_whole_row_would(params: SamplingParams) -> None:
+    # a masked row (most of it -inf) drawn over its allowed ids alone takes the same token, seed by
+    # seed, as the draw over the whole vocabulary: the masked tokens' zero probabilities add nothing
+    allowed = torch.tensor([0, 17, 18, 300, 301, 302, VOCAB - 1])
+    row = torch.full((1, VOCAB), float("-inf"))
+    row[0, allowed] = torch.randn(len(allowed), generator=torch.Generator().manual_seed(3))
+    for seed in range(400):
+        whole = sample(row.clone(), [params], [torch.Generator().manual_seed(seed)])
+        among = sample(row.clone(), [params], [torch.Generator().manual_seed(seed)], candidates={0: allowed})
+        assert int(among[0]) == int(whole[0]), seed
+    drawn = {int(sample(row.clone(), [params], [None], candidates={0: allowed})[0]) for _ in range(200)}
+    assert drawn <= set(allowed.tolist()) and len(drawn) > 1
