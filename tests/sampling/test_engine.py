@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 import llguidance
 import pytest
+import torch
 import xgrammar as xgr
 
 from pipeline.types import GrammarSpec
@@ -337,3 +338,17 @@ def test_a_matcher_that_gives_up_fails_its_constraint_not_the_engine(
     assert capped.finish_reason == "error" and capped.error_kind == "constraint"
     assert "cannot follow this constraint" in str(capped.error) and "max is 10" in str(capped.error)
     assert outputs[("free", 0)].error is None
+
+
+def test_unseeded_sequences_draw_their_own_seeds_and_leave_torch_s_generator_alone(
+    new_engine: NewEngine, hf_tokenizer: Any
+) -> None:
+    engine = new_engine()
+    state = torch.get_rng_state()
+    target = prompt(hf_tokenizer, "sample me")
+    add(engine, "u", target, max_tokens=16, ignore_eos=True, n=2, **SEEDED)
+    add(engine, "v", target, max_tokens=16, ignore_eos=True, **SEEDED)
+    assert torch.equal(torch.get_rng_state(), state)  # an unseeded request does not reseed the process
+    outputs = run_all(engine)
+    drawn = {tuple(outputs[key].token_ids) for key in [("u", 0), ("u", 1), ("v", 0)]}
+    assert len(drawn) == 3  # each sequence its own seed: the same prompt, three different answers
