@@ -21,13 +21,11 @@
 
 from __future__ import annotations
 
-import anyio
-
 from pipeline.errors import GrammarError, UnsupportedSchemaError
 from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
 from stages.grammar_backends import XGrammarCompiler
-from stages.grammar_compile import BACKGROUND_NICE, parse_in_thread
+from stages.grammar_compile import BACKGROUND_NICE, parse_on_thread
 from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
 from stages.grammar_jobs import GrammarJobs
 from stages.grammar_types import FIRST_USE, OUTLASTS, SLOTS_BUSY, CompiledConstraint
@@ -115,7 +113,7 @@ class BackendChoice(GrammarJobs):
         """xgrammar's parse of a grammar or structural tag (no compile slot: milliseconds); the
         error it is refused with, cached as a compile's would be, or None."""
         try:
-            await anyio.to_thread.run_sync(parse_in_thread, self._parser, spec, self.limits, limiter=self.fast_limiter)
+            await parse_on_thread(self._parser, spec, self.limits, limiter=self.fast_limiter)
         except GrammarError as exc:
             self.stats.errors += 1
             self._cache.store(spec.key, exc)

@@ -1,14 +1,17 @@
-"""A grammar compile or parse as it runs in a worker thread: bounded, on a large stack, at a given niceness.
+"""A grammar compile or parse as it runs on a compile thread: bounded, on a large stack, at a given niceness.
 
 What reaches a compiler is bounded (``stages.grammar_limits``): the size on the loop (the cache key
-holds it), the rest here, in the compile thread. Each compile runs on a thread with a large stack
-and a large one trims the heap after it (``stages.native_calls``).
+holds it), the rest here, on the compile thread. Each compile runs on one of the process's long-lived
+threads with a large stack, and a large one trims the heap after it (``stages.native_calls``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
+
+import anyio
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
@@ -17,7 +20,7 @@ from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompil
 from stages.grammar_limits import GrammarLimits, check_limits
 from stages.native_calls import release_free_memory, run_on_large_stack
 
-__all__ = ["BACKGROUND_NICE", "compile_in_thread", "parse_in_thread"]
+__all__ = ["BACKGROUND_NICE", "compile_on_thread", "parse_on_thread"]
 
 # After a compile this long, or of a spec this large, the heap is trimmed: its peak (a 20,000-rule
 # grammar: over 1 GB) would otherwise stay with the process
@@ -26,22 +29,37 @@ _TRIM_AFTER_CHARS = 64 * 1024
 BACKGROUND_NICE = 19
 
 
-def compile_in_thread(
+async def compile_on_thread(
     compilers: Mapping[str, XGrammarCompiler | LLGuidanceCompiler],
     backend: str,
     spec: GrammarSpec,
     limits: GrammarLimits,
+    *,
     nice: int,
+    limiter: anyio.CapacityLimiter,
+    abandon_on_cancel: bool,
 ) -> Compiled:
-    """``backend``'s compile of ``spec`` within ``limits``, ``nice`` added to its thread's niceness; its
-    compiler is looked up here, once the job has its slot.
+    """``backend``'s compile of ``spec`` within ``limits``, on a compile thread at ``nice`` under a
+    token of ``limiter`` (``abandon_on_cancel``: as ``anyio.to_thread.run_sync``'s).
 
     :raises GrammarError: the spec is refused or cannot be compiled (a Rust panic included).
     """
+    call = functools.partial(_compile, compilers, backend, spec, limits)
+    return await run_on_large_stack(call, limiter=limiter, nice=nice, abandon_on_cancel=abandon_on_cancel)
+
+
+def _compile(
+    compilers: Mapping[str, XGrammarCompiler | LLGuidanceCompiler],
+    backend: str,
+    spec: GrammarSpec,
+    limits: GrammarLimits,
+) -> Compiled:
+    """On the compile thread: the limits the loop left to it, then the compile (its compiler looked up
+    here, once the job has its slot), and the heap trimmed after a large one."""
     check_limits(spec, limits)
     started = time.perf_counter()
     try:
-        return run_on_large_stack(lambda: compilers[backend].compile(spec), nice=nice)
+        return compilers[backend].compile(spec)
     except BaseException as exc:
         # a Rust panic that llguidance's bindings let through is pyo3's PanicException, a
         # BaseException: it fails this spec, not the stage's task group
@@ -53,10 +71,17 @@ def compile_in_thread(
             release_free_memory()
 
 
-def parse_in_thread(parser: XGrammarCompiler, spec: GrammarSpec, limits: GrammarLimits) -> None:
-    """xgrammar's parse of a grammar or structural tag within ``limits``.
+async def parse_on_thread(
+    parser: XGrammarCompiler, spec: GrammarSpec, limits: GrammarLimits, *, limiter: anyio.CapacityLimiter
+) -> None:
+    """xgrammar's parse of a grammar or structural tag within ``limits``, on a compile thread under a
+    token of ``limiter``.
 
     :raises GrammarError: the grammar or tag is malformed or out of bounds.
     """
+    await run_on_large_stack(functools.partial(_parse, parser, spec, limits), limiter=limiter)
+
+
+def _parse(parser: XGrammarCompiler, spec: GrammarSpec, limits: GrammarLimits) -> None:
     check_limits(spec, limits)  # a compile's bounds and stack: the parse reads the same text
-    run_on_large_stack(lambda: parser.parse(spec))
+    parser.parse(spec)

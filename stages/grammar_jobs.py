@@ -1,6 +1,6 @@
 """The grammar stage's compile jobs: one per backend and spec, run in a worker thread, their result cached.
 
-- Compiles run in worker threads (both libraries release the GIL), each backend under its own limiter.
+- Compiles run on the process's compile threads (``stages.native_calls``), each backend under its own limiter.
 - Concurrent identical compiles share one job. Jobs belong to the stage's task group, not to the
   first caller, so that caller's cancellation does not cancel the job for the others.
 - A job's grammar replaces a cached error, and xgrammar's grammar the llguidance stand-in of the
@@ -20,7 +20,7 @@ from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
 from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar_cache import GrammarCache
-from stages.grammar_compile import compile_in_thread
+from stages.grammar_compile import compile_on_thread
 from stages.grammar_limits import GrammarLimits
 from stages.grammar_types import STAND_IN_REASONS, CompiledConstraint, GrammarStats
 
@@ -65,13 +65,12 @@ class GrammarJobs:
             # Jobs are cancelled only when the pipeline shuts down (a waiter's cancellation never reaches
             # them): then nobody waits for the result, and a compile cannot be interrupted (xgrammar's
             # worst took 72 s here).
-            compiled = await anyio.to_thread.run_sync(
-                compile_in_thread,
+            compiled = await compile_on_thread(
                 self.compilers,
                 backend,
                 spec,
                 self.limits,
-                nice,
+                nice=nice,
                 limiter=limiter,
                 abandon_on_cancel=self.abandon_on_shutdown,
             )

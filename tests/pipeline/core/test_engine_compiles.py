@@ -6,6 +6,7 @@ use started lands."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -148,3 +149,35 @@ async def test_a_request_cancelled_while_the_engine_compiles_leaves_nothing_behi
         assert result.grammar_backend == "xgrammar"
         assert grammar.stats.backends == Counter({"xgrammar: forced by config": 1})
         await assert_released(pipe)
+
+
+async def test_a_small_schema_is_checked_on_the_loop_and_a_large_one_in_a_worker_thread(
+    pipe: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small JSON schema's precheck and answer check (under a millisecond) skip the hop to a worker
+    thread; a large one's still take it. Both answer alike: served, or the same 400."""
+    grammar = pipe.preparation.grammar
+    assert isinstance(grammar, RemoteGrammarStage)
+    loop_thread = threading.get_ident()
+    where: list[bool] = []  # per check: on the loop's thread
+    real = RemoteGrammarStage._check
+
+    def recorded(self: RemoteGrammarStage, spec: Any) -> Any:
+        where.append(threading.get_ident() == loop_thread)
+        return real(self, spec)
+
+    monkeypatch.setattr(RemoteGrammarStage, "_check", recorded)
+    small = schema("checked_on_the_loop")
+    # the same shape, past the inline bound by its long enum of kinds
+    large = {**small, "properties": {**small["properties"], "kind": {"enum": [f"kind {i:05d}" for i in range(400)]}}}
+    refused = {"type": "object", "properties": {"a": {"not": {}}}, "required": ["a"]}  # no value holds it
+    big_refused = {**refused, "properties": {"a": {"not": {}}, "pad": {"enum": [f"p{i:05d}" for i in range(400)]}}}
+    with anyio.fail_after(120):
+        assert await served_by(pipe, TEXT, small) in ("llguidance", "xgrammar")
+        assert await served_by(pipe, TEXT, large) in ("llguidance", "xgrammar")
+        small_refusal = await outcome(pipe, guided(TEXT, refused))
+        large_refusal = await outcome(pipe, guided(TEXT, big_refused))
+    assert where == [True, False, True, False]
+    assert small_refusal[0] is large_refusal[0] and issubclass(small_refusal[0], GrammarError)
+    assert small_refusal[2:] == large_refusal[2:] == ("response_format.json_schema.schema", "grammar")
+    await assert_released(pipe)
