@@ -76,6 +76,8 @@ class LargeStackThreads:
             claimed = self._idle > 0
             if claimed:
                 self._idle -= 1
+            else:
+                self.started += 1
         self._calls.put((fn, future))
         if not claimed:
             self._start_thread()
@@ -90,23 +92,28 @@ class LargeStackThreads:
                 thread.start()
             finally:
                 threading.stack_size(previous)
-        self.started += 1
 
     def _serve(self) -> None:
         if self.nice:
             lower_priority(self.nice)
         while True:
             fn, future = self._calls.get()
-            if future.set_running_or_notify_cancel():
+            result: Any = None
+            error: BaseException | None = None
+            running = future.set_running_or_notify_cancel()
+            if running:
                 try:
                     result = fn()
                 except BaseException as exc:  # a Rust panic is a BaseException: the caller gets it
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
-            del fn, future  # nothing of the call is held while the thread waits for the next
+                    error = exc
+            # idle before the caller hears of its outcome: a call it then submits finds this thread
             with self._lock:
                 self._idle += 1
+            if running and error is not None:
+                future.set_exception(error)
+            elif running:
+                future.set_result(result)
+            del fn, future, result, error  # nothing of the call is held while the thread waits
 
 
 _THREADS: dict[int, LargeStackThreads] = {}

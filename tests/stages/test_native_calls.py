@@ -30,7 +30,8 @@ def _stack_bytes() -> int:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the stack through glibc")
 def test_calls_run_on_a_large_stack_and_one_thread_serves_calls_in_turn() -> None:
     threads = LargeStackThreads()
-    seen = [threads.submit(lambda: (threading.get_ident(), _stack_bytes())).result(timeout=10) for _ in range(5)]
+    # the next call is submitted the moment the last one's outcome is out: the thread is idle by then
+    seen = [threads.submit(lambda: (threading.get_ident(), _stack_bytes())).result(timeout=10) for _ in range(200)]
     assert threads.started == 1 and len({ident for ident, _ in seen}) == 1  # reused, not one per call
     assert all(size >= COMPILE_STACK_BYTES for _, size in seen)
     assert threading.stack_size() == 0  # the process-wide setting is back to the default
