@@ -59,8 +59,8 @@ def sample(
 
     ``candidates``: rows whose mask allows only these ids (ascending; every other logit of the row is
     -inf). Such a row draws among them alone: the same draw, as every other token has probability 0
-    and adds nothing to the running sum, but over a few entries instead of the vocabulary (a JSON
-    answer's first token: 2 of 131k, 0.03 against 0.5 ms on the CPU)."""
+    and adds nothing to the running sum, but over a few entries instead of the vocabulary (a row
+    allowing 2 of 131k tokens: 0.16 against 1.75 ms on the CPU, one torch thread)."""
     if all(p.is_greedy for p in params):
         return greedy if greedy is not None else greedy_ids(logits)
     if greedy is not None:

@@ -20,7 +20,6 @@ result must come back, and neither result crosses cheaply (serializing an xgramm
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -141,23 +140,10 @@ async def run_on_large_stack(
     async with limiter:
         future = large_stack_threads(nice).submit(fn)
         with anyio.CancelScope(shield=not abandon_on_cancel):
-            result = await _outcome(future)
+            # the loop is woken with the outcome (asyncio's bridge, which skips a closed loop): no
+            # worker thread waits for the call
+            result = await asyncio.wrap_future(future)
     return result
-
-
-async def _outcome(future: Future[T]) -> T:
-    """The outcome of ``future``, set on another thread; the loop is woken for it, no worker thread waits."""
-    if not future.done():
-        done = anyio.Event()
-        loop = asyncio.get_running_loop()
-
-        def wake(_: Future[T]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                loop.call_soon_threadsafe(done.set)
-
-        future.add_done_callback(wake)
-        await done.wait()
-    return future.result()
 
 
 def lower_priority(nice: int) -> None:
