@@ -330,3 +330,31 @@ def test_a_matcher_past_a_limit_says_why(backend: LLGuidanceBackend) -> None:
     assert matcher.error() is None
     assert not matcher.accept_token(grammar.tokenizer.tokenize_str("x")[0])
     assert "max is 10" in str(matcher.error())
+
+
+def test_the_tokenizer_built_from_its_json_is_the_librarys_and_a_padded_one_is_left_alone(
+    backend: LLGuidanceBackend, hf_tokenizer: Any, tokenizer_info: Any
+) -> None:
+    """The backend builds llguidance's tokenizer from the Hugging Face tokenizer's JSON without the
+    library's copy: it tokenizes and masks as the library's own does, and a tokenizer that pads goes
+    through the library, which leaves its padding as it was."""
+    import copy
+
+    import llguidance.hf
+
+    stops = list(tokenizer_info.stop_token_ids)
+    library = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=tokenizer_info.vocab_size, eos_token=stops)
+    ours = backend.tokenizer
+    assert (ours.vocab_size, ours.eos_token) == (library.vocab_size, library.eos_token)
+    for text in ("Describe the image.", '{"name": "été", "n": 12}', "  \t\n<s>[INST]", "日本語のテキスト"):
+        data = text.encode()
+        assert ours.tokenize_bytes(data) == library.tokenize_bytes(data)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)
+    masks = [llguidance.LLMatcher(tok, grammar, log_level=0).compute_bitmask() for tok in (ours, library)]
+    assert masks[0] == masks[1]
+
+    padded = copy.deepcopy(hf_tokenizer)
+    padded.backend_tokenizer.enable_padding(length=8)
+    other = LLGuidanceBackend(padded, vocab_size=tokenizer_info.vocab_size, stop_token_ids=stops)
+    assert padded.backend_tokenizer.padding is not None  # the library's copy was padded off, not ours
+    assert other.tokenizer.tokenize_bytes(b"Describe.") == library.tokenize_bytes(b"Describe.")
