@@ -53,8 +53,8 @@ class LargeStackThreads:
     when each starts. ``submit`` hands a call to an idle one, or starts one when none is idle, so calls
     never queue behind each other (their callers bound how many run at once).
 
-    A thread started for each compile, as before, had to get the GIL before ``start()`` returned and
-    again before its ``join()`` did: in a py-spy profile of the engine process serving text-only
+    A thread started for each compile has to get the GIL before ``start()`` returns and again before
+    its ``join()`` does: in a py-spy profile of the engine process serving text-only
     requests with new schemas on this 2-core machine, 0.8 ms of CPU per compile (its llguidance
     compile itself 2.3 ms there).
     """
@@ -85,7 +85,7 @@ class LargeStackThreads:
     def _start_thread(self) -> None:
         # daemon: a compile abandoned at shutdown must not keep the interpreter from exiting
         thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-        with _STACK_LOCK:  # threading.stack_size() is process-wide: set it, start the thread, set it back
+        with _STACK_LOCK:
             previous = threading.stack_size(self.stack_bytes)
             try:
                 thread.start()

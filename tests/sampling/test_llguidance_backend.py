@@ -3,6 +3,7 @@ through, refuse bad or unsupported schemas with our errors, replay, and share xg
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -11,6 +12,7 @@ from typing import Any
 
 import jsonschema
 import llguidance
+import llguidance.hf
 import pytest
 import torch
 import xgrammar as xgr
@@ -338,10 +340,6 @@ def test_the_tokenizer_built_from_its_json_is_the_librarys_and_a_padded_one_is_l
     """The backend builds llguidance's tokenizer from the Hugging Face tokenizer's JSON without the
     library's copy: it tokenizes and masks as the library's own does, and a tokenizer that pads goes
     through the library, which leaves its padding as it was."""
-    import copy
-
-    import llguidance.hf
-
     stops = list(tokenizer_info.stop_token_ids)
     library = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=tokenizer_info.vocab_size, eos_token=stops)
     ours = backend.tokenizer
