@@ -73,6 +73,16 @@ class PipelineConfig:
     max_images_per_request: int = 8
     max_prompt_tokens: int = 16_384
     template_threads: int = 1
+    # How a message's content reaches the chat template: "string" (its text as one string, what most
+    # templates are written for), "openai" (a list of typed parts), or "auto": read from the template's
+    # Jinja, as vLLM's --chat-template-content-format does (stages/chat_format.py)
+    chat_template_content_format: str = "auto"
+    # A Jinja chat template (its text, or the path of a file holding it) used instead of the tokenizer's
+    chat_template: str | None = None
+    # The checkpoint's generation_config.json sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) apply to requests that leave them unset: "auto" (vLLM's
+    # default), "none" (OpenAI's defaults), or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
     # -- vision encode --
     vision_max_batch: int = 8
@@ -284,6 +294,11 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.model_impl not in ("auto", "transformers", "native"):
             raise ValueError(f"PipelineConfig.model_impl must be auto, transformers or native, got {self.model_impl!r}")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "PipelineConfig.chat_template_content_format must be auto, string or openai, "
+                f"got {self.chat_template_content_format!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("PipelineConfig.num_kv_blocks must be positive")
 

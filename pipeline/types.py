@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["GrammarKind", "GrammarSpec", "ImagePart", "Message", "TextPart"]
+__all__ = ["GrammarKind", "GrammarSpec", "ImagePart", "Message", "TemplateOptions", "TextPart"]
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"]
 
@@ -37,6 +37,17 @@ class Message:
     # an assistant's earlier calls: (id, function name, arguments JSON text), ids as the template takes them
     tool_calls: tuple[tuple[str, str, str], ...] = ()
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How one chat request's conversation is rendered (vLLM's chat-template request fields)."""
+
+    add_generation_prompt: bool = True  # end the prompt with the assistant's header
+    continue_final_message: bool = False  # the last (assistant) message is left open for the answer to continue
+    chat_template: str | None = None  # this request's own Jinja template (None: the model's)
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # chat_template_kwargs, passed to the template
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,16 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence of the token among those generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # vLLM's extra sampling fields, with vLLM's meaning
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or the output (CTRL's rule)
+    min_p: float = 0.0  # drop tokens whose probability is under min_p x the most likely token's
+    min_tokens: int = 0  # no end of sequence (EOS, stop_token_ids, stop strings) before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the sequence, as EOS does
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the answer in its text
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never written (the last one is banned)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be written (None: all)
+    skip_special_tokens: bool = True  # special tokens write no text
+    spaces_between_special_tokens: bool = True  # a space between special tokens written as text
 
     @property
     def is_greedy(self) -> bool:

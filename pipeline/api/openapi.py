@@ -15,6 +15,7 @@ import msgspec
 
 from pipeline.protocol.request_bodies import ChatCompletionRequest, CompletionRequest
 from pipeline.protocol.response_bodies import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse, ModelList
+from pipeline.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 __all__ = ["ROUTES", "Route", "openapi_document", "openapi_json"]
 
@@ -58,6 +59,14 @@ ROUTES: tuple[Route, ...] = (
         Completion,
         Completion,
     ),
+    Route(
+        "post",
+        "/tokenize",
+        "the token ids of a prompt, or of a conversation through the chat template (vLLM's shape)",
+        TokenizeRequest,
+        TokenizeResponse,
+    ),
+    Route("post", "/detokenize", "the text of token ids (vLLM's shape)", DetokenizeRequest, DetokenizeResponse),
     Route("get", "/v1/models", "the served model names", response=ModelList),
     Route("get", "/health", "liveness, pending requests and decoding"),
     Route("get", "/metrics", "Prometheus text exposition"),

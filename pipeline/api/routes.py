@@ -23,6 +23,7 @@ from pipeline.api.responses import ChatStream, TokenText, chat_choice
 from pipeline.core.choice import Result
 from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
+from pipeline.core.tokenizing import detokenize, token_strings, tokenize
 from pipeline.errors import PipelineError
 from pipeline.protocol.request import ChatRequest
 from pipeline.protocol.response_bodies import (
@@ -34,6 +35,7 @@ from pipeline.protocol.response_bodies import (
     ModelList,
     Usage,
 )
+from pipeline.protocol.tokenize import DetokenizeResponse, TokenizeResponse, parse_detokenize, parse_tokenize
 
 __all__ = ["Api", "Call", "usage"]
 
@@ -63,6 +65,8 @@ class Api:
         self._routes: dict[tuple[str, str], Call] = {
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/completions"): self.completions,
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/detokenize"): self.detokenize,
             ("GET", "/v1/models"): self._sync(self.models),
             ("GET", "/health"): self._sync(self.health),
             ("GET", "/metrics"): self._sync(self.metrics),
@@ -176,6 +180,30 @@ class Api:
             return await answer_completions(self.pipe, requests, self.tokens)
         except PipelineError as exc:
             return error_reply(exc)
+
+    async def tokenize(self, body: bytes) -> Reply:
+        pipe = self.pipe
+        try:
+            job = await self._decode(
+                lambda raw: parse_tokenize(raw, model_names=pipe.model_names, parse_chat=pipe.parse), body
+            )
+            ids = await tokenize(pipe.preparation.template, job)
+        except PipelineError as exc:
+            return error_reply(exc)
+        strs = token_strings(pipe.preparation.template, ids) if job.return_token_strs else None
+        return json_reply(
+            TokenizeResponse(count=len(ids), max_model_len=pipe.config.max_model_len, tokens=ids, token_strs=strs)
+        )
+
+    async def detokenize(self, body: bytes) -> Reply:
+        pipe = self.pipe
+        try:
+            ids = await self._decode(
+                lambda raw: parse_detokenize(raw, model_names=pipe.model_names, vocab_size=pipe.vocab_size), body
+            )
+        except PipelineError as exc:
+            return error_reply(exc)
+        return json_reply(DetokenizeResponse(prompt=await detokenize(pipe.preparation.template, ids)))
 
     # -- GET ----------------------------------------------------------------------------------
     def models(self) -> Reply:

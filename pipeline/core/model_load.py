@@ -18,6 +18,7 @@ from pipeline.core.engine_factory import Engine, build_process_engine, build_thr
 from pipeline.core.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
 from pipeline.core.stage_factory import build_grammar_stage
 from pipeline.observability.trace import Tracer
+from pipeline.protocol.sampling_defaults import SamplingDefaults, read_generation_config
 from pipeline.protocol.tool_formats import ToolFormat, tool_format
 from sampling.families import family_of
 from stages.grammar import GrammarStage
@@ -53,6 +54,7 @@ class LoadedModel:
     engine: Engine | None  # None: built without an engine
     grammar: GrammarStage | RemoteGrammarStage
     tool_format: ToolFormat  # how the model writes tool calls: its family's
+    sampling_defaults: SamplingDefaults  # the checkpoint's generation_config.json, for unset request fields
 
 
 def open_model(config: PipelineConfig, *, with_engine: bool, tracer: Tracer | None) -> OpenedModel:
@@ -87,4 +89,12 @@ def load_model(opened: OpenedModel, config: PipelineConfig, *, tracer: Tracer | 
     else:
         engine = build_thread_engine(ck, config, device=device, tracer=tracer) if opened.with_engine else None
         grammar = build_grammar_stage(config, ck)
-    return LoadedModel(ck, encoder, engine, grammar, fmt)
+    return LoadedModel(ck, encoder, engine, grammar, fmt, sampling_defaults(config, ck))
+
+
+def sampling_defaults(config: PipelineConfig, ck: Checkpoint) -> SamplingDefaults:
+    """``config.generation_config``: the checkpoint's file ("auto"), none, or a folder's."""
+    choice = config.generation_config
+    if choice == "none":
+        return SamplingDefaults()
+    return read_generation_config(ck.path if choice == "auto" else choice)

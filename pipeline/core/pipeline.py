@@ -35,6 +35,7 @@ from pipeline.observability.prometheus import MetricsExporter
 from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
+from pipeline.protocol.sampling_defaults import SamplingDefaults
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
 from stages.process_pool import ImagePool
@@ -248,6 +249,9 @@ class Pipeline:
             vocab_size=self.vocab_size,
             model_names=self.model_names,
             tool_format=self._model.tool_format if self._model is not None else None,
+            defaults=self.sampling_defaults,
+            encode=self._encode_words,
+            max_prompt_tokens=cfg.max_prompt_tokens,
         )
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:
@@ -260,7 +264,19 @@ class Pipeline:
             max_model_len=cfg.max_model_len,
             vocab_size=self.vocab_size,
             model_names=self.model_names,
+            defaults=self.sampling_defaults,
+            encode=self._encode_words,
+            max_prompt_tokens=cfg.max_prompt_tokens,
         )
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The checkpoint's sampling defaults (``generation_config``), for fields a request leaves unset."""
+        return self._model.sampling_defaults if self._model is not None else SamplingDefaults()
+
+    def _encode_words(self, text: str) -> list[int]:
+        """``text``'s token ids without special tokens (a request's ``bad_words``: a few short words)."""
+        return list(self.checkpoint.tokenizer.encode(text, add_special_tokens=False))
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING or self._admission is None:

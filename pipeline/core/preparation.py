@@ -219,7 +219,7 @@ class Preparation:
         plan = request.tools
         tools = plan.tools if plan is not None else ()
         prep.prompt_ids = await self.template.run(
-            request.messages, prep.images.images, tools, request.prompt, request.prompt_field
+            request.messages, prep.images.images, tools, request.prompt, request.prompt_field, request.template
         )
         if plan is not None and plan.starts_with_call and plan.format.marker is not None:
             prep.prompt_ids += self.template.marker_ids(plan.format.marker)  # the turn opens with its calls

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,6 +138,20 @@ def build_decode_stage(
     )
 
 
+def chat_template_text(given: str | None) -> str | None:
+    """``--chat-template``'s value as a template: Jinja text as given (it holds a ``{``), else the
+    text of the file it names.
+
+    :raises ValueError: a file that cannot be read, named.
+    """
+    if given is None or "{" in given:
+        return given
+    try:
+        return Path(given).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"the chat template file {given!r} cannot be read: {exc.strerror or exc}") from None
+
+
 def build_template_stage(
     cfg: PipelineConfig, tokenizer: Any, image_token_id: int, image_text: ImageText | None = None
 ) -> TemplateStage:
@@ -149,6 +164,8 @@ def build_template_stage(
         threads=cfg.template_threads,
         inline=cfg.inline_preparation,
         image_text=image_text,
+        content_format=cfg.chat_template_content_format,
+        chat_template=chat_template_text(cfg.chat_template),
     )
 
 

@@ -9,12 +9,15 @@ cache is keyed by the spec). Choice ``j`` of prompt ``i`` is choice ``i * n + j`
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.request import ChatRequest, check_model, request_grammar, sampling_params
+from pipeline.protocol.request import ChatRequest, check_model, request_grammar, sampling_params, truncation
 from pipeline.protocol.request_bodies import CompletionRequest
+from pipeline.protocol.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from pipeline.protocol.wire import decode_body
+from pipeline.types import TemplateOptions
 
 __all__ = ["MAX_PROMPTS", "parse_completion_request"]
 
@@ -68,9 +71,13 @@ def parse_completion_request(
     max_model_len: int = 8192,
     vocab_size: int = 1 << 31,
     model_names: tuple[str, ...] | None = None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
+    encode: Callable[[str], list[int]] | None = None,
+    max_prompt_tokens: int = 1 << 31,
 ) -> list[ChatRequest]:
     """Validate a completions body: one request per prompt, ids ``cmpl-...-i``; ``model_names``: the
-    names ``model`` may carry (None: any).
+    names ``model`` may carry (None: any); ``defaults``: the checkpoint's sampling defaults;
+    ``encode``: the tokenizer, for ``bad_words``.
 
     :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
@@ -84,7 +91,16 @@ def parse_completion_request(
         raise _fail("'best_of' must equal 'n' when given (no server-side selection)", "best_of")
     prompts = _prompts(typed.prompt, vocab_size)
     grammar = request_grammar(typed, body)
-    sampling = sampling_params(typed, default_max_tokens, max_model_len, logprobs=typed.logprobs, vocab_size=vocab_size)
+    sampling = sampling_params(
+        typed,
+        default_max_tokens,
+        max_model_len,
+        logprobs=typed.logprobs,
+        vocab_size=vocab_size,
+        defaults=defaults,
+        encode=encode,
+    )
+    template = TemplateOptions(truncate_prompt_tokens=truncation(typed, max_prompt_tokens))
     base = f"cmpl-{uuid.uuid4().hex[:16]}"
     return [
         ChatRequest(
@@ -96,6 +112,7 @@ def parse_completion_request(
             stream=bool(typed.stream),
             include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
             model=typed.model,
+            template=template,
             request_id=f"{base}-{i}",
         )
         for i, prompt in enumerate(prompts)

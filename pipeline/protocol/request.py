@@ -10,6 +10,7 @@ so a client knows what to fix. Runs on the event loop, or in a worker thread for
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +25,12 @@ from pipeline.protocol.request_bodies import (
     ImageContent,
     ImageURL,
 )
+from pipeline.protocol.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from pipeline.protocol.tool_formats import ToolFormat
 from pipeline.protocol.tool_formats import tool_format as format_named
 from pipeline.protocol.tools import ToolPlan, plan_tools, template_call_id
 from pipeline.protocol.wire import check_depth, decode_body
-from pipeline.types import GrammarSpec, ImagePart, Message, TextPart
+from pipeline.types import GrammarSpec, ImagePart, Message, TemplateOptions, TextPart
 from sampling.params import SamplingParams
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "ImagePart",
     "Message",
     "SamplingParams",
+    "TemplateOptions",
     "TextPart",
     "check_model",
     "parse_chat_request",
@@ -56,6 +59,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    template: TemplateOptions = field(default_factory=TemplateOptions)  # how the conversation is rendered
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
 
     @property
@@ -109,14 +113,36 @@ def _message(message: ChatMessage, where: str, images: list[ImagePart]) -> Messa
     return Message(role=message.role, parts=tuple(parts), tool_calls=calls, tool_call_id=call_id)
 
 
-def _messages(raw: list[ChatMessage], max_images: int) -> tuple[Message, ...]:
+def _messages(raw: list[ChatMessage], max_images: int, template: TemplateOptions) -> tuple[Message, ...]:
     images: list[ImagePart] = []
     messages = [_message(m, f"messages[{i}]", images) for i, m in enumerate(raw)]
     if len(images) > max_images:
         raise _fail(f"{len(images)} images in one request; at most {max_images} are allowed", "messages")
-    if messages[-1].role == "assistant":
-        raise _fail("the last message must not be the assistant's", f"messages[{len(messages) - 1}].role")
+    last = f"messages[{len(messages) - 1}].role"
+    if template.continue_final_message and messages[-1].role != "assistant":
+        raise _fail("'continue_final_message' needs the last message to be the assistant's", last)
+    if messages[-1].role == "assistant" and template.add_generation_prompt:
+        # a new assistant turn after the assistant's own: a prompt no template writes sensibly
+        raise _fail(
+            "the last message must not be the assistant's, unless 'continue_final_message' is true "
+            "or 'add_generation_prompt' is false",
+            last,
+        )
     return tuple(messages)
+
+
+def _template_options(body: ChatCompletionRequest, truncate: int | None) -> TemplateOptions:
+    continue_final = bool(body.continue_final_message)
+    add_prompt = not continue_final if body.add_generation_prompt is None else body.add_generation_prompt
+    if continue_final and add_prompt:
+        raise _fail("'continue_final_message' and 'add_generation_prompt' cannot both be true", "add_generation_prompt")
+    return TemplateOptions(
+        add_generation_prompt=add_prompt,
+        continue_final_message=continue_final,
+        chat_template=body.chat_template,
+        kwargs=dict(body.chat_template_kwargs or {}),
+        truncate_prompt_tokens=truncate,
+    )
 
 
 # digits of a token id: a longer key is refused before int() (over 4,300 digits it raises ValueError)
@@ -135,6 +161,31 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
     return tuple(bias)
 
 
+def _token_ids(raw: list[int] | None, vocab_size: int, name: str) -> tuple[int, ...]:
+    for j, token in enumerate(raw or ()):
+        if token >= vocab_size:
+            raise _fail(f"'{name}' holds token ids in [0, {vocab_size}), got {token}", f"{name}[{j}]")
+    return tuple(raw or ())
+
+
+def _bad_words_ids(words: list[str] | None, encode: Callable[[str], list[int]] | None) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences, as vLLM bans them: the word as written, and with one leading
+    space (how a word is written after another in most vocabularies) where that is another sequence
+    of the same length that does not start with the same token."""
+    if not words:
+        return ()
+    if encode is None:
+        raise _fail("'bad_words' needs the model's tokenizer, which this admission has not", "bad_words")
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        for ids in (plain, spaced):
+            if ids and ids not in sequences and (ids is plain or (len(ids) == len(plain) and ids[0] != plain[0])):
+                sequences.append(ids)
+    return tuple(sequences)
+
+
 def sampling_params(
     body: ChatCompletionRequest | CompletionRequest,
     default_max_tokens: int,
@@ -142,18 +193,30 @@ def sampling_params(
     *,
     logprobs: int | None = None,
     vocab_size: int = 1 << 31,
+    defaults: SamplingDefaults = NO_DEFAULTS,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> SamplingParams:
-    """The sampling fields both endpoints share; ``logprobs``: top log probabilities per token (None: off)."""
+    """The sampling fields both endpoints share; ``logprobs``: top log probabilities per token (None: off);
+    ``defaults``: the checkpoint's values for fields the body leaves unset; ``encode``: text to token
+    ids without special tokens (for ``bad_words``)."""
+    if body.prompt_logprobs is not None:
+        raise _fail(
+            "'prompt_logprobs' is not supported by this server (the prompt's tokens get no logits)", "prompt_logprobs"
+        )
     name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
         name, max_tokens = "max_tokens", body.max_tokens
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_model_len)
+        max_tokens = min(defaults.max_tokens or default_max_tokens, max_model_len)
     elif max_tokens > max_model_len:
         raise _fail(f"'{name}' must be at most max_model_len ({max_model_len}), got {max_tokens}", name)
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise _fail(f"'min_tokens' must be at most the answer's maximum ({max_tokens}), got {min_tokens}", "min_tokens")
     stop = body.stop
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+    temperature = _pick(body.temperature, defaults.temperature, 1.0)
+    top_p = _pick(body.top_p, defaults.top_p, 1.0)
+    allowed = body.allowed_token_ids
     return SamplingParams(
         max_tokens=max_tokens,
         # The sampler works in fp32: logits / 4e-85 divides by zero (found by the fuzzer: NaN
@@ -161,7 +224,7 @@ def sampling_params(
         # and filters every token out. Below these bounds the answer is the greedy one anyway.
         temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
         top_p=max(top_p, _MIN_TOP_P),
-        top_k=body.top_k or 0,
+        top_k=max(0, int(_pick(body.top_k, defaults.top_k, 0))),
         seed=body.seed,
         n=body.n or 1,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
@@ -170,7 +233,36 @@ def sampling_params(
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=_logit_bias(body.logit_bias, vocab_size),
+        repetition_penalty=_pick(body.repetition_penalty, defaults.repetition_penalty, 1.0),
+        min_p=_pick(body.min_p, defaults.min_p, 0.0),
+        min_tokens=min_tokens,
+        stop_token_ids=_token_ids(body.stop_token_ids, vocab_size, "stop_token_ids"),
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        bad_words_ids=_bad_words_ids(body.bad_words, encode),
+        allowed_token_ids=None if allowed is None else _token_ids(allowed, vocab_size, "allowed_token_ids"),
+        skip_special_tokens=body.skip_special_tokens is not False,
+        spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
     )
+
+
+def _pick(given: float | None, default: float | None, fallback: float) -> float:
+    """The request's value, else the checkpoint's, else OpenAI's."""
+    return given if given is not None else default if default is not None else fallback
+
+
+def truncation(body: ChatCompletionRequest | CompletionRequest, max_prompt_tokens: int) -> int | None:
+    """``truncate_prompt_tokens`` as a count of tokens kept (-1: as many as a prompt may hold)."""
+    given = body.truncate_prompt_tokens
+    if given is None:
+        return None
+    if given == 0:
+        raise _fail("'truncate_prompt_tokens' must be -1 or at least 1", "truncate_prompt_tokens")
+    if given > max_prompt_tokens:
+        raise _fail(
+            f"'truncate_prompt_tokens' must be at most the prompt's limit ({max_prompt_tokens}), got {given}",
+            "truncate_prompt_tokens",
+        )
+    return max_prompt_tokens if given == -1 else given
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -211,10 +303,14 @@ def parse_chat_request(
     model_names: tuple[str, ...] | None = None,
     request_id: str | None = None,
     tool_format: str | ToolFormat | None = None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
+    encode: Callable[[str], list[int]] | None = None,
+    max_prompt_tokens: int = 1 << 31,
 ) -> ChatRequest:
     """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
     the names ``model`` may carry (None: any); ``tool_format``: how the model writes tool calls
-    (a ``ToolFormat``, or its name in ``tool_formats.FORMATS``; None: Mistral's).
+    (a ``ToolFormat``, or its name in ``tool_formats.FORMATS``; None: Mistral's); ``defaults``: the
+    checkpoint's sampling defaults; ``encode``: the tokenizer, for ``bad_words``.
 
     :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
@@ -224,16 +320,24 @@ def parse_chat_request(
     fmt = tool_format if isinstance(tool_format, ToolFormat) else format_named(tool_format)
     tools = plan_tools(typed, grammar is not None, fmt)
     sampling = sampling_params(
-        typed, default_max_tokens, max_model_len, logprobs=_chat_logprobs(typed), vocab_size=vocab_size
+        typed,
+        default_max_tokens,
+        max_model_len,
+        logprobs=_chat_logprobs(typed),
+        vocab_size=vocab_size,
+        defaults=defaults,
+        encode=encode,
     )
+    template = _template_options(typed, truncation(typed, max_prompt_tokens))
     request = ChatRequest(
-        messages=_messages(typed.messages, max_images),
+        messages=_messages(typed.messages, max_images, template),
         sampling=sampling,
         grammar=tools.grammar if tools is not None else grammar,
         tools=tools,
         stream=bool(typed.stream),
         include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
         model=typed.model,
+        template=template,
     )
     if request_id is not None:
         request.request_id = request_id

@@ -44,11 +44,17 @@ __all__ = [
 
 MAX_STOP_STRINGS = 8
 MAX_N = 16
+MAX_TOKEN_LISTS = 1024  # entries of stop_token_ids, allowed_token_ids; bad_words holds at most MAX_BAD_WORDS
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Meta(min_length=1, max_length=MAX_STOP_STRINGS)]
 Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Meta(ge=0)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_LISTS)]
+BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -138,7 +144,7 @@ class _Sampling(_Body, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=1 << 20)] | None = None  # 0 or -1 (vLLM's old spelling): off
     seed: Seed | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     stop: Stop | None = None
@@ -148,6 +154,20 @@ class _Sampling(_Body, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's sampling fields, with vLLM's meaning (sampling/params.py says what each does)
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool | None = None
+    bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=1 << 20)] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    # -1: as many as the model takes (vLLM's spelling); N: only the prompt's last N tokens
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # declared so that its refusal names it: log probabilities of the prompt's own tokens are not computed
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
     # structured outputs, every spelling (pipeline/protocol/constraints.py reads and checks them)
     response_format: RawResponseFormat | None = None
     structured_outputs: RawStructuredOutputs | None = None
@@ -179,6 +199,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # the chat template's fields, with vLLM's meaning
+    add_generation_prompt: bool | None = None  # default true: the prompt ends with the assistant's header
+    continue_final_message: bool | None = None  # the last message is the assistant's, continued
+    chat_template: Annotated[str, Meta(min_length=1, max_length=256 * 1024)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -51,9 +51,27 @@ CHAT_FIELDS: dict[str, Any] = {
     "metadata": {"a": "b"},
     "store": False,
     "service_tier": "auto",
+    # vLLM's sampling fields (bad_words needs the tokenizer: tests/pipeline/protocol/test_vllm_fields.py)
+    "repetition_penalty": 1.2,
+    "min_p": 0.05,
+    "min_tokens": 2,
+    "stop_token_ids": [7],
+    "include_stop_str_in_output": True,
+    "bad_words": [],
+    "allowed_token_ids": [5, 6, 7],
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 100,
+    "prompt_logprobs": None,  # declared to be refused by name when set
+    # the chat template's fields
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "chat_template": "{{ messages[0]['content'] }}",
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 # echo and suffix are declared but not honoured: accepted at their defaults only
 COMPLETION_ONLY = {"prompt": "hi", "echo": False, "logprobs": 2, "suffix": None, "best_of": 2}
+CHAT_ONLY = {"add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"}
 
 
 def both_forms(body: dict[str, Any]) -> list[Any]:
@@ -82,6 +100,13 @@ def test_every_declared_field_is_accepted_and_honoured(given: Any) -> None:
     assert sampling.logit_bias == ((5, 1.0),)
     assert sampling.logprobs == 2
     assert request.tools is not None and [t["function"]["name"] for t in request.tools.tools] == ["get_weather"]
+    assert (sampling.repetition_penalty, sampling.min_p, sampling.min_tokens) == (1.2, 0.05, 2)
+    assert sampling.stop_token_ids == (7,) and sampling.allowed_token_ids == (5, 6, 7)
+    assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
+    assert not sampling.spaces_between_special_tokens
+    assert request.template.kwargs == {"enable_thinking": False}
+    assert request.template.chat_template == "{{ messages[0]['content'] }}"
+    assert request.template.truncate_prompt_tokens == 100
 
 
 @pytest.mark.parametrize(
@@ -104,6 +129,10 @@ def test_fields_other_servers_refuse_are_accepted(extra: dict[str, Any]) -> None
 
 def test_completions_accept_their_own_fields() -> None:
     shared = {k: v for k, v in CHAT_FIELDS.items() if k in CompletionRequest.__struct_fields__}
+    assert (
+        set(CHAT_FIELDS) - set(shared)
+        == {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"} | CHAT_ONLY
+    )
     assert set(CompletionRequest.__struct_fields__) - CONSTRAINT_FIELDS == set(shared) | set(COMPLETION_ONLY)
     for given in both_forms({**shared, **COMPLETION_ONLY}):
         (request,) = parse_completion_request(given)
@@ -112,7 +141,7 @@ def test_completions_accept_their_own_fields() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["foo", "min_p", "functions", "guided_jsn", "structured_output", "extra_body", "prompt", "echo"]
+    "name", ["foo", "documents", "functions", "guided_jsn", "structured_output", "extra_body", "prompt", "echo"]
 )
 def test_an_undeclared_chat_field_is_refused_in_openai_wording(name: str) -> None:
     for error in refused(parse_chat_request, {"messages": MESSAGES, name: 1}):
@@ -120,7 +149,10 @@ def test_an_undeclared_chat_field_is_refused_in_openai_wording(name: str) -> Non
         assert error.message == f"Unrecognized request argument supplied: {name}"
 
 
-@pytest.mark.parametrize("name", ["foo", "messages", "tools", "tool_choice", "top_logprobs", "parallel_tool_calls"])
+@pytest.mark.parametrize(
+    "name",
+    ["foo", "messages", "tools", "tool_choice", "top_logprobs", "parallel_tool_calls", "chat_template_kwargs"],
+)
 def test_a_chat_only_field_is_refused_on_completions(name: str) -> None:
     for error in refused(parse_completion_request, {"prompt": "hi", name: 1}):
         assert error.field == name
@@ -147,7 +179,7 @@ def test_the_first_unknown_field_is_named() -> None:
 
 
 def test_an_unknown_field_set_to_null_is_refused_too() -> None:
-    for given in both_forms({"messages": MESSAGES, "functions": None, "min_p": None}):
+    for given in both_forms({"messages": MESSAGES, "functions": None, "documents": None}):
         with pytest.raises(InvalidRequest) as info:
             parse_chat_request(given)
         assert info.value.field == "functions"
