@@ -47,14 +47,14 @@ class _Protocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # a cast, not an isinstance check: uvloop's transports (Ray Serve runs its replicas on
         # uvloop) are not registered with asyncio's transport classes
-        self.link._transport = cast(asyncio.WriteTransport, transport)
+        self.link.connected(cast(asyncio.WriteTransport, transport))
 
     def data_received(self, data: bytes) -> None:
         for body in self.reader.feed(data):
-            self.link._received(DECODER.decode(body))
+            self.link.received(DECODER.decode(body))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.link._lost()
+        self.link.lost()
 
 
 class EngineLink:
@@ -78,6 +78,7 @@ class EngineLink:
         self._ready = anyio.Event()
         self._fatal: str | None = None
         self.is_open = False  # ready, and the socket not closed
+        self._telling: set[asyncio.Task[None]] = set()  # the task that tells the owner of a loss (kept alive)
 
     @property
     def pid(self) -> int | None:
@@ -143,7 +144,12 @@ class EngineLink:
         if self._transport is not None:
             self._transport.close()
 
-    def _received(self, message: Any) -> None:
+    def connected(self, transport: asyncio.WriteTransport) -> None:
+        """The loop's end of the socket is open: commands are written through ``transport``."""
+        self._transport = transport
+
+    def received(self, message: Any) -> None:
+        """One message from the process: ``Ready`` and ``Fatal`` are the link's, the rest its owner's."""
         if isinstance(message, Ready):
             self.is_open = True
             self._ready.set()
@@ -152,9 +158,19 @@ class EngineLink:
         elif self.is_open:
             self._on_message(message)
 
-    def _lost(self) -> None:
+    def lost(self) -> None:
+        """The socket closed: the process died, was killed or stopped (called by the loop's protocol)."""
         self._transport = None
         self._ready.set()  # a start in progress sees that it failed
         if self.is_open:
             self.is_open = False
-            self._on_lost()
+            # A protocol callback runs on the loop but outside any task, where anyio cannot tell which
+            # library runs it (sniffio finds no current task): the owner's start_soon of a new engine
+            # raised NoEventLoopError there, and no engine was ever started again. Told from a task,
+            # the owner may use every anyio call.
+            task = asyncio.get_running_loop().create_task(self._tell_lost())
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
+
+    async def _tell_lost(self) -> None:
+        self._on_lost()
