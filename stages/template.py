@@ -1,21 +1,27 @@
 """Template + tokenize: the model's chat template, then image placeholders expanded in id space.
 
-Rendering and tokenizing hold the GIL for milliseconds on long prompts, so they run in a worker
-thread under this stage's limiter.
+Each template gets a message's content in the form its author wrote it for, one string or a list of
+parts (``stages/chat_format.py``, decided once per template), and a request's own options (its
+template, template variables, an open final turn, truncation) as vLLM reads them. Rendering and
+tokenizing hold the GIL for milliseconds on long prompts, so they run in a worker thread under this
+stage's limiter.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import jinja2
 
 from pipeline.errors import InvalidRequest, PromptTooLong
-from pipeline.types import ImagePart, Message
+from pipeline.types import Message, TemplateOptions
+from stages.chat_format import ContentFormat, ContentFormats
+from stages.chat_messages import image_placeholder_of, to_template_messages
 from stages.offload import Offload
+from stages.template_options import reserved_template_names, template_kwargs, truncate_prompt
 from vision.image_text import ImageText
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
@@ -24,43 +30,13 @@ __all__ = ["TemplateStage", "single_token_id"]
 # A normalizer may shrink a text before it is split into tokens (NFC composes up to three code
 # points into one): the character bound on a prompt leaves this much room for it.
 _SHRINK_ROOM = 4
+_DEFAULTS = TemplateOptions()
 
 
 def single_token_id(tokenizer: Any, text: str) -> int | None:
     """The id of ``tokenizer``'s one token whose text is ``text``; None when it writes it in several."""
     token = tokenizer.convert_tokens_to_ids(text)
     return None if token is None or token == tokenizer.unk_token_id else int(token)
-
-
-def _arguments(text: str) -> Any:
-    """A call's arguments as templates take them: an object where the JSON text is one (Llama 3.1's
-    template writes ``arguments | tojson``, which would quote a string), else the text itself."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
-
-
-def _to_hf_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        content: Any = [
-            {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
-            for part in message.parts
-        ]
-        if message.role == "tool":  # templates read a tool result as one string
-            content = "".join(part.text for part in message.parts if not isinstance(part, ImagePart))
-        hf: dict[str, Any] = {"role": message.role, "content": content or None}
-        if message.tool_calls:
-            hf["tool_calls"] = [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
-                for call_id, name, arguments in message.tool_calls
-            ]
-        if message.tool_call_id is not None:
-            hf["tool_call_id"] = message.tool_call_id
-        out.append(hf)
-    return out
 
 
 class TemplateStage:
@@ -75,9 +51,18 @@ class TemplateStage:
         threads: int,
         inline: bool = False,
         image_text: ImageText | None = None,
+        content_format: str = "auto",
+        chat_template: str | None = None,
+        image_placeholder: str | None = None,
     ) -> None:
         """``image_ids``: the image token layout, None for a model that takes no images;
-        ``image_text``: a layout the processor expands in text before tokenizing (Gemma 3)."""
+        ``image_text``: a layout the processor expands in text before tokenizing (Gemma 3);
+        ``content_format``: how templates take a message's content ("auto": each template's own,
+        "string" or "openai" for all); ``chat_template``: a template that replaces the tokenizer's;
+        ``image_placeholder``: what a string-format template gets for an image (None: the model's own).
+
+        :raises ValueError: if ``content_format`` is unknown, or ("auto") the template is not valid Jinja.
+        """
         self.tokenizer = tokenizer
         self.image_ids = image_ids
         self.image_text = image_text
@@ -86,6 +71,28 @@ class TemplateStage:
         self.limiter = self.offload.limiter
         # read at start (about 0.1 s for a 131k vocabulary), not by the first request's template step
         self._longest_token = self._longest_token_of(tokenizer)
+        self.chat_template = chat_template
+        self.image_placeholder = image_placeholder or image_placeholder_of(tokenizer, image_ids, image_text)
+        self._span_tokens = self._span_tokens_of(tokenizer, image_ids, self.image_placeholder)
+        self._reserved = reserved_template_names(tokenizer)
+        self.formats = ContentFormats(content_format)
+        # decided here, once, for the template most requests use (the server logs it)
+        self.content_format: ContentFormat = self.formats.of(self._default_template())
+
+    def _default_template(self) -> str | None:
+        try:
+            return str(self.tokenizer.get_chat_template(self.chat_template))
+        except ValueError:  # no template: only raw prompts can be served
+            return None
+
+    @staticmethod
+    def _span_tokens_of(tokenizer: Any, image_ids: ImageTokenIds | None, placeholder: str | None) -> frozenset[int]:
+        """The ids an image's span is written with: its layout's tokens and its placeholder's markers."""
+        if image_ids is None:
+            return frozenset()
+        layout = {image_ids.image, image_ids.row_break, image_ids.image_end} - {None}
+        markers = tokenizer.encode(placeholder, add_special_tokens=False) if placeholder else []
+        return frozenset(int(t) for t in (*layout, *markers) if t is not None)
 
     @staticmethod
     def _longest_token_of(tokenizer: Any) -> int | None:
@@ -124,15 +131,20 @@ class TemplateStage:
         tools: tuple[dict[str, Any], ...] = (),
         prompt: str | list[int] | None = None,
         prompt_field: str = "prompt",
+        options: TemplateOptions | None = None,
     ) -> list[int]:
         """Prompt token ids with every image expanded to its grid of image tokens (synchronous);
         ``tools`` go to the template, a raw ``prompt`` (text or ids) replaces the template, and its
-        errors name ``prompt_field``.
+        errors name ``prompt_field``; ``options``: the request's own template options.
 
-        :raises InvalidRequest: if the template rejects the conversation or text mimics an image token.
+        :raises InvalidRequest: if the template rejects the conversation, text mimics an image token,
+            or an option is refused (naming it).
         :raises PromptTooLong: if the prompt exceeds ``max_prompt_tokens``.
         """
+        options = options or _DEFAULTS
         where = "messages" if prompt is None else prompt_field
+        if self.image_ids is None and images:
+            raise InvalidRequest("this model takes no images", field=where)
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             if not all(0 <= t < vocab for t in prompt):
@@ -147,32 +159,77 @@ class TemplateStage:
             if bos is not None and ids[:1] != [bos]:  # as the chat template starts: some tokenizers add none
                 ids.insert(0, bos)
         else:
-            try:
-                # the prompt ends where the assistant's answer starts (its header, for templates that have one)
-                text = self.tokenizer.apply_chat_template(
-                    _to_hf_messages(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
-                raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
+            text = self.render_text(messages, tools, options)
             self._check_chars(text, where)
             ids = self.tokenizer.encode(self._expand_text(text, images, where), add_special_tokens=False)
+        ids = self._with_images(ids, images, where)
+        image_token = self.image_ids.image if self.image_ids is not None else None
+        ids = truncate_prompt(
+            ids, options.truncate_prompt_tokens, self.max_prompt_tokens, image_token, self._span_tokens
+        )
+        return self._check_length(ids, where)
+
+    def render_text(
+        self, messages: tuple[Message, ...], tools: tuple[dict[str, Any], ...], options: TemplateOptions
+    ) -> str:
+        """The conversation through its chat template, each message's content in the template's format.
+
+        :raises InvalidRequest: naming the option, the message or the template the request is refused for.
+        """
+        if options.continue_final_message and options.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true: the prompt either leaves "
+                "the last message open or opens a new assistant turn",
+                field="continue_final_message",
+            )
+        kwargs = template_kwargs(options.kwargs, self._reserved)
+        tool_list = list(tools) or None
+        try:
+            # a tokenizer may keep several named templates: the tool one when tools are given
+            template = str(self.tokenizer.get_chat_template(options.chat_template or self.chat_template, tool_list))
+            content_format = self.formats.of(template)
+        except ValueError as exc:
+            field = "chat_template" if options.chat_template is not None else "messages"
+            raise InvalidRequest(f"no chat template to render the conversation: {exc}", field=field) from None
+        conversation = to_template_messages(messages, content_format, self.image_placeholder)
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tool_list,
+                    chat_template=template,
+                    tokenize=False,
+                    add_generation_prompt=options.add_generation_prompt,
+                    continue_final_message=options.continue_final_message,
+                    **kwargs,
+                )
+            )
+        except jinja2.TemplateSyntaxError as exc:
+            field = "chat_template" if options.chat_template is not None else "messages"
+            raise InvalidRequest(f"the chat template is not valid Jinja: {exc}", field=field) from None
+        except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
+            raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
+
+    def _with_images(self, ids: list[int], images: Sequence[ImageGrid], where: str) -> list[int]:
+        """``ids`` with each image placeholder expanded to its image's tokens (done already, in text, for
+        a layout expanded in text).
+
+        :raises InvalidRequest: if the placeholders do not match the images, or text mimics an image token.
+        """
         if self.image_ids is None:
-            if images:
-                raise InvalidRequest("this model takes no images", field=where)
-            return self._check_length(ids, where)
-        if self.image_text is not None:  # expanded already, in text
+            return ids
+        if self.image_text is not None:
             if ids.count(self.image_ids.image) != len(images) * self.image_text.num_tokens:
                 raise InvalidRequest("the text may not contain image tokens", field=where)
-            return self._check_length(ids, where)
+            return ids
         try:
-            ids = expand_image_tokens(ids, images, self.image_ids)
+            return expand_image_tokens(ids, images, self.image_ids)
         except ValueError as exc:
             token = self.tokenizer.convert_ids_to_tokens(self.image_ids.image)
             raise InvalidRequest(
                 f"image placeholders do not match the images ({exc}); text may not contain {token!r}",
                 field=where,
             ) from None
-        return self._check_length(ids, where)
 
     def _expand_text(self, text: str, images: Sequence[ImageGrid], where: str) -> str:
         if self.image_text is None or self.image_ids is None:
@@ -200,6 +257,7 @@ class TemplateStage:
         tools: tuple[dict[str, Any], ...] = (),
         prompt: str | list[int] | None = None,
         prompt_field: str = "prompt",
+        options: TemplateOptions | None = None,
     ) -> list[int]:
         """Render and tokenize in a worker thread (finishes even if the caller is cancelled)."""
-        return await self.offload.run(self.render, messages, images, tools, prompt, prompt_field)
+        return await self.offload.run(self.render, messages, images, tools, prompt, prompt_field, options)

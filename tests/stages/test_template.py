@@ -7,8 +7,9 @@ import torch
 
 from pipeline.errors import InvalidRequest, PromptTooLong
 from pipeline.protocol.request import parse_chat_request
+from pipeline.types import TemplateOptions
 from stages.template import TemplateStage
-from vision.preprocess import ImageTokenIds, PreparedImage
+from vision.preprocess import ImageTokenIds, PreparedImage, expand_image_tokens
 
 
 def image(rows: int, cols: int) -> PreparedImage:
@@ -113,3 +114,35 @@ async def test_raw_prompts_skip_the_template(stage: TemplateStage, hf_tokenizer:
     with pytest.raises(InvalidRequest) as info:
         await stage.run((), [], prompt=[1, 10**9])
     assert info.type is InvalidRequest and info.value.field == "prompt"
+
+
+async def test_a_string_format_template_gets_each_image_as_its_placeholder(hf_tokenizer: Any) -> None:
+    """Forced to strings, the Pixtral template gets "[IMG]" inside the message's text, expanded as the
+    template's own [IMG] is."""
+    layout = ImageTokenIds.from_tokenizer(hf_tokenizer, 10)
+    stage = TemplateStage(hf_tokenizer, layout, max_prompt_tokens=200, threads=1, content_format="string")
+    assert stage.content_format == "string" and stage.image_placeholder == "[IMG]"
+    content = [{"type": "text", "text": "first"}, IMG, {"type": "text", "text": "second"}]
+    request = parse_chat_request({"messages": [{"role": "user", "content": content}]})
+    images = [image(2, 3)]
+    text = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "first\n[IMG]\nsecond"}], tokenize=False, add_generation_prompt=True
+    )
+    expected = expand_image_tokens(hf_tokenizer.encode(text, add_special_tokens=False), images, layout)
+    assert await stage.run(request.messages, images) == expected
+    assert expected.count(10) == 6
+
+
+async def test_truncation_never_cuts_an_image(stage: TemplateStage) -> None:
+    request = parse_chat_request(
+        {"messages": [{"role": "user", "content": [IMG, {"type": "text", "text": "describe it in a few words"}]}]}
+    )
+    images = [image(2, 3)]
+    full = await stage.run(request.messages, images)
+    after = len(full) - (full.index(13) + 1)  # the tokens after the image's [IMG_END]
+    kept = await stage.run(request.messages, images, options=TemplateOptions(truncate_prompt_tokens=after + 8))
+    assert kept == full[-(after + 8) :] and kept.count(10) == 6
+    with pytest.raises(InvalidRequest) as info:
+        await stage.run(request.messages, images, options=TemplateOptions(truncate_prompt_tokens=after + 3))
+    assert info.value.field == "truncate_prompt_tokens" and f"starts {after + 8} tokens from the end" in str(info.value)
+    assert stage.limiter.borrowed_tokens == 0
