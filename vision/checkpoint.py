@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from vision.default_checkpoint import ensure_default_checkpoint
+from vision.model_source import ModelUnavailable, ResolvedModel, resolve_model
 
-__all__ = ["Checkpoint", "open_checkpoint"]
+__all__ = ["Checkpoint", "ModelUnavailable", "open_checkpoint"]
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Checkpoint:
     """One checkpoint folder; every part is loaded on first use and then kept."""
 
     path: Path
+    name: str = ""  # what the model is served as (the name it was asked by); empty: the folder's name
     _weights_by_file: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     @cached_property
@@ -103,7 +105,7 @@ class Checkpoint:
 
     @cached_property
     def model_name(self) -> str:
-        return self.path.name
+        return self.name or self.path.name
 
     def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
@@ -130,20 +132,26 @@ class Checkpoint:
         return found
 
 
-_opened: dict[Path, Checkpoint] = {}
+_opened: dict[tuple[Path, str], Checkpoint] = {}
 _opened_lock = threading.Lock()
 
 
 def open_checkpoint(model: str | None, cache_dir: Path) -> Checkpoint:
-    """The checkpoint at ``model``, or the embedded default (written once into ``cache_dir``) when None.
+    """The checkpoint of ``model`` (a folder, a ``.gguf`` file or a Hugging Face name: vision/model_source.py),
+    or the embedded default (written once into ``cache_dir``) when None.
 
-    One ``Checkpoint`` per folder and process: its loaded parts are read-only and shared, so a second
-    pipeline on the same model does not load the tokenizer again.
+    One ``Checkpoint`` per folder, name and process: its loaded parts are read-only and shared, so a
+    second pipeline on the same model does not load the tokenizer again.
 
-    :raises FileNotFoundError: if ``model`` is not a folder with a config.json.
+    :raises ModelUnavailable: if ``model`` cannot be found or read, or is not a folder with a config.json.
     """
-    path = (ensure_default_checkpoint(cache_dir) if model is None else Path(model)).resolve()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
+    if model is None:
+        default = ensure_default_checkpoint(cache_dir).resolve()
+        resolved = ResolvedModel(default, default.name)
+    else:
+        resolved = resolve_model(model, cache_dir)
+    if not (resolved.path / "config.json").is_file():
+        raise ModelUnavailable(f"model {model!r}: {resolved.path} is not a checkpoint folder (no config.json)")
     with _opened_lock:
-        return _opened.setdefault(path, Checkpoint(path=path))
+        key = (resolved.path, resolved.name)
+        return _opened.setdefault(key, Checkpoint(path=resolved.path, name=resolved.name))
