@@ -1,4 +1,4 @@
-"""/metrics and /health as an operator reads them: every family the README documents, with its
+"""/metrics and /health as an operator reads them: every family docs/server.md documents, with its
 type, in a real exposition after real requests; and /health saying ``stopping`` while a shutdown
 drains the requests in flight.
 
@@ -26,11 +26,11 @@ from stages.grammar_types import FIRST_USE
 from tests.images import data_url, encode, image_request, make_image
 from tests.servers import serving
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+METRICS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "server.md"
 NUM_KV_BLOCKS = 64
 PNG = encode(make_image(64, 48, seed=3))
 
-# Every family of the README's /metrics table, as the README spells it, with its Prometheus type.
+# Every family of the /metrics table of docs/server.md, as it spells it, with its Prometheus type.
 TYPES = {
     "pipeline_requests_total": "counter",
     "pipeline_preparation_jobs_total": "counter",
@@ -67,9 +67,9 @@ TYPES = {
 
 
 def documented_metrics() -> set[str]:
-    """The metric names of the README's /metrics table; ``_in_flight`` after ``pipeline_stage_queue_depth``
+    """The metric names of the /metrics table in docs/server.md; ``_in_flight`` after ``pipeline_stage_queue_depth``
     stands for ``pipeline_stage_in_flight``."""
-    text = README.read_text()
+    text = METRICS_PAGE.read_text()
     table = text[text.index("**`/metrics`**") :].split("\n\n")[1]
     names: set[str] = set()
     for row in table.splitlines()[2:]:
