@@ -95,6 +95,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         template_threads=args.template_threads,
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
         generation_config=args.generation_config,
         preparation_mode=args.preparation_mode,
         prep_workers=args.prep_workers,
@@ -130,6 +131,12 @@ async def serve(args: argparse.Namespace) -> None:
     async with Pipeline(config, tracer=tracer) as pipe:
         freeze_heap()  # the model, the tokenizer and the stages stay: no collection walks them again
         app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
+        defaults = pipe.sampling_defaults.as_dict()
+        print(
+            f"chat template: content as {pipe.preparation.template.content_format}; "
+            f"sampling defaults: {defaults or 'none'}",
+            flush=True,
+        )
         async with listen(app, args.host, args.port, limits) as listener:
             port = listener.port
             print(f"serving {pipe.model_name} on {listener.url}", flush=True)
@@ -248,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         "--chat-template",
         default=_default("chat_template"),
         help="a Jinja chat template file (or the template's text) used instead of the tokenizer's",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat template ('chat_template'); off: such a request is a 400",
     )
     s.add_argument(
         "--chat-template-content-format",

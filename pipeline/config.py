@@ -79,6 +79,10 @@ class PipelineConfig:
     chat_template_content_format: str = "auto"
     # A Jinja chat template (its text, or the path of a file holding it) used instead of the tokenizer's
     chat_template: str | None = None
+    # Whether a request may bring its own chat template ("chat_template"). Off by default, as in vLLM
+    # (--trust-request-chat-template): the template runs in transformers' Jinja sandbox, but nothing
+    # bounds its loops, and one that runs for ever holds a template thread for ever.
+    trust_request_chat_template: bool = False
     # The checkpoint's generation_config.json sampling defaults (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) apply to requests that leave them unset: "auto" (vLLM's
     # default), "none" (OpenAI's defaults), or a folder holding a generation_config.json

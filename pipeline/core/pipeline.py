@@ -252,6 +252,7 @@ class Pipeline:
             defaults=self.sampling_defaults,
             encode=self._encode_words,
             max_prompt_tokens=cfg.max_prompt_tokens,
+            trust_request_chat_template=cfg.trust_request_chat_template,
         )
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:

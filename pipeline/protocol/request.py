@@ -131,7 +131,12 @@ def _messages(raw: list[ChatMessage], max_images: int, template: TemplateOptions
     return tuple(messages)
 
 
-def _template_options(body: ChatCompletionRequest, truncate: int | None) -> TemplateOptions:
+def _template_options(body: ChatCompletionRequest, truncate: int | None, own_template: bool) -> TemplateOptions:
+    if body.chat_template is not None and not own_template:
+        raise _fail(
+            "a request's own 'chat_template' is not allowed by this server (--trust-request-chat-template)",
+            "chat_template",
+        )
     continue_final = bool(body.continue_final_message)
     add_prompt = not continue_final if body.add_generation_prompt is None else body.add_generation_prompt
     if continue_final and add_prompt:
@@ -306,11 +311,13 @@ def parse_chat_request(
     defaults: SamplingDefaults = NO_DEFAULTS,
     encode: Callable[[str], list[int]] | None = None,
     max_prompt_tokens: int = 1 << 31,
+    trust_request_chat_template: bool = True,
 ) -> ChatRequest:
     """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
     the names ``model`` may carry (None: any); ``tool_format``: how the model writes tool calls
     (a ``ToolFormat``, or its name in ``tool_formats.FORMATS``; None: Mistral's); ``defaults``: the
-    checkpoint's sampling defaults; ``encode``: the tokenizer, for ``bad_words``.
+    checkpoint's sampling defaults; ``encode``: the tokenizer, for ``bad_words``;
+    ``trust_request_chat_template``: whether the body may carry its own template.
 
     :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
@@ -328,7 +335,7 @@ def parse_chat_request(
         defaults=defaults,
         encode=encode,
     )
-    template = _template_options(typed, truncation(typed, max_prompt_tokens))
+    template = _template_options(typed, truncation(typed, max_prompt_tokens), trust_request_chat_template)
     request = ChatRequest(
         messages=_messages(typed.messages, max_images, template),
         sampling=sampling,

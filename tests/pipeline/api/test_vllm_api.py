@@ -36,6 +36,7 @@ async def server() -> AsyncIterator[tuple[Pipeline, str]]:
         served_model_names=("m",),
         preparation_mode="thread",
         engine_mode="thread",
+        trust_request_chat_template=True,
     )
     async with Pipeline(config) as pipe, serving(create_app(pipe, api_key=KEY)) as base:
         yield pipe, base

@@ -157,3 +157,9 @@ def test_bad_words_are_banned_as_written_and_after_a_space() -> None:
     # "bad" -> (1,), " bad" -> (2,): both; "very bad" -> (3, 2), " very bad" -> (4, 2): both
     assert sampling.bad_words_ids == ((1,), (2,), (3, 2), (4, 2))
     assert refusal(chat(bad_words=["bad"])).field == "bad_words"  # no tokenizer to read them with
+
+
+def test_a_requests_own_chat_template_needs_the_servers_trust() -> None:
+    body = chat(chat_template="{{ messages[0]['content'] }}")
+    assert refusal(body, trust_request_chat_template=False).field == "chat_template"
+    assert parse_chat_request(body).template.chat_template == "{{ messages[0]['content'] }}"
