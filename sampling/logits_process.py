@@ -1,9 +1,10 @@
 """Per-request logit adjustments before the grammar mask, and log probabilities after it.
 
-Order in a step: ``adjust`` (logit_bias, presence and frequency penalties) on the raw logits, then
-the grammar mask, then ``StepLogprobs.compute`` (log-softmax of what the mask left), then temperature,
-top-k and top-p inside the sampler. Bias and penalties come before the mask so a constraint always
-wins: +100 on a token the grammar refuses does not let it through.
+Order in a step: ``adjust`` on the raw logits (logit_bias, then the repetition penalty, then the
+presence and frequency penalties: vLLM's order), then the grammar mask, then the request's bans
+(sampling/token_bans.py), then ``StepLogprobs.compute`` (log-softmax of what is left), then
+temperature, min-p, top-k and top-p inside the sampler. Bias and penalties come before the mask so a
+constraint always wins: +100 on a token the grammar refuses does not let it through.
 
 Log probabilities are taken after the mask and before the temperature (README, "Log probabilities"):
 - after the mask, so ``top_logprobs`` lists tokens that could have been emitted, and a guided greedy
@@ -39,10 +40,18 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def adjust(logits: torch.Tensor, params: Seq[SamplingParams], outputs: Seq[Seq[int]]) -> None:
-    """Add each row's logit_bias and subtract its penalties over ``outputs`` (its generated ids), in place.
+def adjust(
+    logits: torch.Tensor,
+    params: Seq[SamplingParams],
+    outputs: Seq[Seq[int]],
+    prompts: Seq[torch.Tensor | Seq[int]] = (),
+) -> None:
+    """Add each row's logit_bias, apply its repetition penalty over its ``prompts`` and ``outputs``
+    ids, and subtract its presence and frequency penalties over its ``outputs`` (its generated ids),
+    in place.
 
-    ``logits``: ``[B, vocab]`` fp32; ``params`` and ``outputs`` one per row.
+    ``logits``: ``[B, vocab]`` fp32; ``params`` and ``outputs`` one per row, ``prompts`` too where a
+    row has a repetition penalty (its prompt's ids, each once is enough).
     """
     vocab = logits.shape[-1]
     biased = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias if token < vocab]
@@ -50,9 +59,36 @@ def adjust(logits: torch.Tensor, params: Seq[SamplingParams], outputs: Seq[Seq[i
         rows, tokens, values = zip(*biased, strict=True)
         index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
         logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+    repeated = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if repeated:
+        _repetition_penalty(logits, params, outputs, prompts, repeated)
     penalised = [row for row, p in enumerate(params) if p.has_penalties and outputs[row]]
     if penalised:
         _penalise(logits, params, outputs, penalised)
+
+
+def _repetition_penalty(
+    logits: torch.Tensor,
+    params: Seq[SamplingParams],
+    outputs: Seq[Seq[int]],
+    prompts: Seq[torch.Tensor | Seq[int]],
+    rows: list[int],
+) -> None:
+    """CTRL's rule at every token the prompt or the output of ``rows`` holds: a positive logit is
+    divided by the penalty, any other multiplied by it; sparse, as ``_penalise``."""
+    vocab = logits.shape[-1]
+    seen = []
+    for row in rows:
+        prompt = prompts[row] if row < len(prompts) else ()
+        ids = torch.cat([torch.as_tensor(prompt, dtype=torch.long), torch.tensor(outputs[row], dtype=torch.long)])
+        seen.append(ids[ids < vocab] + row * vocab)
+    positions = torch.unique(torch.cat(seen)).to(logits.device)  # flat row * vocab + token, each once
+    penalty = torch.ones(logits.shape[0], dtype=logits.dtype)
+    penalty[rows] = torch.tensor([params[r].repetition_penalty for r in rows], dtype=logits.dtype)
+    penalty = penalty.to(logits.device)[positions // vocab]
+    flat = logits.view(-1)
+    values = flat[positions]
+    flat[positions] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def _penalise(logits: torch.Tensor, params: Seq[SamplingParams], outputs: Seq[Seq[int]], rows: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Logits to token ids under the grammars: adjust, mask, sample; greedy rows skip the full mask where that is exact.
+"""Logits to token ids under the grammars: adjust, mask, ban, sample; greedy rows skip the full mask where exact.
 
 Every call here runs torch ops, so it runs on the thread that runs the step's forward (the engine's
 thread in the synchronous loop, the device thread one step ahead: sampling/step.py says why), and
@@ -17,18 +17,21 @@ from sampling.logits_process import StepLogprobs, adjust
 from sampling.sampler import greedy_ids, sample
 from sampling.sequence import Sequence
 from sampling.timeline import StepTiming
+from sampling.token_bans import apply_bans
 
 __all__ = ["MaskedSampler", "is_lazy"]
 
 
 def is_lazy(seq: Sequence) -> bool:
     """Whether a guided row may skip its full mask when its argmax is allowed (greedy, and no
-    log probabilities, which need the whole masked distribution)."""
-    return seq.params.is_greedy and seq.params.logprobs is None
+    log probabilities, which need the whole masked distribution, nor bans, which yield to the mask
+    where they would leave nothing and so must see it: sampling/token_bans.py)."""
+    p = seq.params
+    return p.is_greedy and p.logprobs is None and not p.has_bans
 
 
 class MaskedSampler:
-    """Samples a step's rows with their penalties, biases and grammar masks (``guided``'s bitmask rows)."""
+    """Samples a step's rows with their penalties, biases, grammar masks (``guided``'s bitmask rows) and bans."""
 
     def __init__(self, guided: GuidedDecoder, eos_token_ids: list[int], *, lazy_mask: bool = True) -> None:
         self.guided = guided
@@ -49,14 +52,16 @@ class MaskedSampler:
         filled: list[int],
         timing: StepTiming,
     ) -> tuple[torch.Tensor, set[int], StepLogprobs | None]:
-        """Adjust, mask and sample: the ids ``[B]`` on the device, the rows whose matchers accepted theirs
+        """Adjust, mask, ban and sample: the ids ``[B]`` on the device, the rows whose matchers accepted theirs
         already (the lazy greedy path), and the log probabilities of the rows that ask for them.
         ``matchers`` are the rows' matchers when the step was filled (None: unguided): one step ahead,
         an abort on the host may drop a sequence's meanwhile."""
         t0 = time.perf_counter()
         params = [s.params for s in seqs]
-        if any(p.logit_bias or p.has_penalties for p in params):
-            adjust(logits, params, [s.output_ids for s in seqs])
+        has_bans = any(p.has_bans for p in params)
+        if any(p.adjusts_logits for p in params):
+            prompts = [s.distinct_prompt_ids() if s.params.repetition_penalty != 1.0 else () for s in seqs]
+            adjust(logits, params, [s.output_ids for s in seqs], prompts)
         no_eos = [row for row, s in enumerate(seqs) if s.params.ignore_eos and matchers[row] is None]
         if no_eos and self.eos_token_ids:
             no_eos_rows = torch.tensor(no_eos, device=logits.device)[:, None]
@@ -70,8 +75,10 @@ class MaskedSampler:
             greedy, accepted, masked = self._lazy_mask(seqs, matchers, logits, filled, timing)
         if masked:
             candidates = self.guided.apply(logits, masked)
-            rows = [r for r in masked if seqs[r].params.is_greedy]
-            if greedy is not None and rows:
+        banned = apply_bans(logits, params, [s.output_ids for s in seqs], self.eos_token_ids) if has_bans else []
+        if greedy is not None and (masked or banned):
+            rows = sorted(r for r in {*masked, *banned} if seqs[r].params.is_greedy)
+            if rows:
                 greedy[rows] = greedy_ids(logits[rows])
         t1 = time.perf_counter()
         logprobs = StepLogprobs.compute(logits, params)  # after the mask, before the temperature

@@ -33,7 +33,9 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never written (the last one is banned)
     allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be written (None: all)
     skip_special_tokens: bool = True  # special tokens write no text
-    spaces_between_special_tokens: bool = True  # a space between special tokens written as text
+    # a space between special tokens written as text where the tokenizer's decoder puts one (vLLM's
+    # fast detokenizer); a byte-level vocabulary's decoder never does, so there it changes nothing
+    spaces_between_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -42,3 +44,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether ``logits_process.adjust`` has anything to do for this request."""
+        return bool(self.logit_bias) or self.has_penalties or self.repetition_penalty != 1.0
+
+    @property
+    def has_bans(self) -> bool:
+        """Whether some step may forbid tokens (``token_bans``): allowed ids, bad words, min_tokens."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_ids) or self.min_tokens > 0

@@ -2,9 +2,14 @@
 
 A request holds the ``n`` sequences of one ``EngineInput``: one until its prefill, then the parent and
 its ``n - 1`` forked siblings. ``advance()`` is where a committed token becomes a ``SeqOutput``: it is
-detokenized, checked against the stop strings, the end of the grammar, ``max_tokens`` and the model's
-length; a finished or failed sequence gives its KV blocks back at once, and its request leaves the
-table with its last sequence.
+detokenized, checked against EOS and ``stop_token_ids``, the stop strings, the end of the grammar,
+``max_tokens`` and the model's length; a finished or failed sequence gives its KV blocks back at once,
+and its request leaves the table with its last sequence.
+
+vLLM's meaning throughout: neither an end token nor a stop string ends a sequence before
+``min_tokens`` tokens (a stop string is looked for only where the tokens after them end it; the end
+of a grammar still does: a constraint always wins). The end token writes no text, the stop string is
+cut from the text, unless ``include_stop_str_in_output`` keeps either.
 """
 
 from __future__ import annotations
@@ -109,9 +114,9 @@ class RequestTable:
             image_embeds=inp.image_embeds,
             params=inp.sampling,
             grammar=inp.grammar,
-            detokenizer=Detokenizer(self.token_bytes),
+            detokenizer=Detokenizer(self.token_bytes, skip_special_tokens=inp.sampling.skip_special_tokens),
             generator=generator,
-            stop=StopChecker(inp.sampling.stop),
+            stop=StopChecker(inp.sampling.stop, include=inp.sampling.include_stop_str_in_output),
             num_siblings=num_siblings,
             image_keys=list(inp.image_keys),
             mrope=inp.mrope,
@@ -126,19 +131,32 @@ class RequestTable:
         self.scheduler.cache_computed(seq)  # before a finish frees its blocks: they stay cached
         if seq.grammar_start is None and token == seq.grammar_trigger:
             seq.grammar_start = len(seq.output_ids)  # the next step's fill builds the matcher
-        is_eos = token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
+        params = seq.params
+        can_stop = len(seq.output_ids) > params.min_tokens
+        is_terminated = seq.matcher is not None and seq.matcher.is_terminated()
+        ends = (can_stop or is_terminated) and self._is_end_token(seq, token)
         stop = seq.stop
-        text = "" if is_eos else stop.feed(seq.detokenizer.add(token))
+        if ends and not params.include_stop_str_in_output:
+            text = ""
+        else:
+            text = stop.feed(seq.detokenizer.add(token), can_stop=can_stop and not ends)
         reason = None
-        if is_eos or (seq.matcher is not None and seq.matcher.is_terminated()) or stop.hit:
+        if ends or is_terminated or stop.hit:
             reason = "stop"
-        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            text += stop.flush(seq.detokenizer.flush())
+            text += stop.flush(seq.detokenizer.flush(), can_stop=can_stop and not ends)
             self._finish(seq, reason)
         logprobs = [logprob] if logprob is not None else None
         return SeqOutput(seq.request_id, seq.index, [token], text, reason, None, len(seq.prompt_ids), logprobs)
+
+    def _is_end_token(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` is one that ends ``seq``: in its ``stop_token_ids``, or EOS (unless it
+        ignores EOS, which only a grammar's end overrides)."""
+        if token in seq.params.stop_token_ids:
+            return True
+        return token in self.eos_token_ids and not (seq.params.ignore_eos and seq.matcher is None)
 
     def fail(self, seq: Sequence, message: str, kind: str | None = None) -> list[SeqOutput]:
         """Fail ``seq`` alone (``kind``: ``SeqOutput.error_kind``); a parent that fails before forking

@@ -2,23 +2,33 @@
 
 Each sampled row draws its noise from its own generator, a fixed amount per step (one number), so a
 seeded sequence produces the same tokens whatever else shares its batch.
+
+A sampled row is divided by its temperature, then cut by min-p, top-k and top-p in that order
+(vLLM's: min-p over the whole distribution, top-p over what min-p and top-k left). Greedy rows take
+the argmax, which none of them changes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
 from sampling.params import SamplingParams
 
-__all__ = ["greedy_ids", "sample"]
+__all__ = ["filter_logits", "greedy_ids", "sample"]
 
 _ARGMAX_BLOCK = 256
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    # logits: [vocab], already divided by the temperature
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits`` (``[vocab]``, divided by the temperature already) with the tokens that min-p, top-k
+    and top-p cut at -inf (never in place)."""
+    min_p, top_k, top_p = params.min_p, params.top_k, params.top_p
+    if min_p > 0.0:
+        # p < min_p * p_max  <=>  logit < max logit + log(min_p): no softmax over the row
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -74,10 +84,10 @@ def sample(
             continue
         ids = candidates.get(row) if candidates else None
         if ids is None:
-            scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+            scaled = filter_logits(logits[row] / p.temperature, p)
             out[row] = _draw(scaled.softmax(-1), gen)
         else:
-            scaled = _filter_top_k_top_p(logits[row, ids] / p.temperature, p.top_k, p.top_p)
+            scaled = filter_logits(logits[row, ids] / p.temperature, p)
             out[row] = ids[_draw(scaled.softmax(-1), gen)]
     return out
 

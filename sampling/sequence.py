@@ -61,6 +61,14 @@ class Sequence:
     # M-RoPE positions of the prompt (None: 1-D), and per-image-token prefill inputs (EngineInput)
     mrope: MRopePositions | None = None
     extra_prefill: dict[str, torch.Tensor] = field(default_factory=dict)
+    _distinct_prompt: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def distinct_prompt_ids(self) -> torch.Tensor:
+        """The prompt's token ids, each once (CPU int64): built on first use, as the repetition
+        penalty reads them at every step and the prompt never changes."""
+        if self._distinct_prompt is None:
+            self._distinct_prompt = torch.unique(torch.tensor(self.prompt_ids, dtype=torch.long))
+        return self._distinct_prompt
 
     @property
     def num_tokens(self) -> int:

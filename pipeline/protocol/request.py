@@ -9,6 +9,7 @@ so a client knows what to fix. Runs on the event loop, or in a worker thread for
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -335,6 +336,11 @@ def parse_chat_request(
         defaults=defaults,
         encode=encode,
     )
+    if tools is not None and sampling.skip_special_tokens:
+        # the calls' markers are special tokens in many families (Hermes' <tool_call>, Mistral's
+        # [TOOL_CALLS]): the answer's text keeps them, so its calls can be read and checked (as
+        # vLLM's tool parsers set it)
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
     template = _template_options(typed, truncation(typed, max_prompt_tokens), trust_request_chat_template)
     request = ChatRequest(
         messages=_messages(typed.messages, max_images, template),

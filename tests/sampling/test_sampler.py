@@ -64,6 +64,12 @@ def test_top_k_and_top_p_cut_tokens_are_never_drawn() -> None:
     _assert_frequencies(top_p, {7: 0.5 / 0.95, 8: 0.3 / 0.95, 9: 0.15 / 0.95})
 
 
+def test_min_p_cut_tokens_are_never_drawn() -> None:
+    probs = {7: 0.5, 8: 0.3, 9: 0.15, 10: 0.05}
+    counts = _counts(_logits(probs), SamplingParams(min_p=0.2))  # under 0.2 x 0.5 = 0.1: token 10 goes
+    _assert_frequencies(counts, {7: 0.5 / 0.95, 8: 0.3 / 0.95, 9: 0.15 / 0.95})
+
+
 def test_a_row_draws_the_same_tokens_whatever_shares_its_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB)
@@ -91,7 +97,14 @@ def test_one_seed_one_sequence_of_draws(seed: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(), SamplingParams(temperature=0.6, top_k=3), SamplingParams(top_p=0.7)], ids=str
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.6, top_k=3),
+        SamplingParams(top_p=0.7),
+        SamplingParams(temperature=1.5, min_p=0.3),
+    ],
+    ids=str,
 )
 def test_a_row_drawn_among_its_allowed_ids_draws_what_the_whole_row_would(params: SamplingParams) -> None:
     # a masked row (most of it -inf) drawn over its allowed ids alone takes the same token, seed by
