@@ -10,19 +10,35 @@ runs alone, and decodes join only when their blocks are free without preempting.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from sampling.kv_cache import BlockAllocator
 from sampling.sequence import Sequence
 from sampling.step_kinds import PrefillBatch, PrefillStep
 
-if TYPE_CHECKING:
-    from sampling.scheduler import Scheduler
-
-__all__ = ["batched_prefill"]
+__all__ = ["PrefillScheduler", "batched_prefill"]
 
 
-def batched_prefill(sched: Scheduler, first: PrefillStep, budget: int) -> PrefillStep | PrefillBatch:
+class PrefillScheduler(Protocol):
+    """What batching asks of the scheduler that calls it (``sampling.scheduler.Scheduler``): named
+    here, so that this module needs no import of the scheduler, which imports it."""
+
+    running: list[Sequence]
+    waiting: deque[Sequence]
+    allocator: BlockAllocator
+    max_prefill_seqs: int
+    mixed_chunk_tokens: int
+
+    def admit(self) -> Sequence | None: ...
+    def blocks_for(self, seq: Sequence, num_tokens: int) -> int: ...
+    def grow(self, seq: Sequence, num_tokens: int) -> None: ...
+    def chunk_end(self, seq: Sequence, start: int, budget: int) -> int: ...
+    def note_mixed_step(self) -> None: ...
+
+
+def batched_prefill(sched: PrefillScheduler, first: PrefillStep, budget: int) -> PrefillStep | PrefillBatch:
     """The prefill step starting with ``first`` (scheduled already), the step's budget ``budget`` tokens."""
     length = first.end - first.start
     decoding = [s for s in sched.running if not s.is_prefilling and s is not first.seq]
@@ -44,7 +60,7 @@ def batched_prefill(sched: Scheduler, first: PrefillStep, budget: int) -> Prefil
     return first if not more else PrefillBatch(chunks)
 
 
-def _batchable(sched: Scheduler, seq: Sequence, alone: bool = False) -> bool:
+def _batchable(sched: PrefillScheduler, seq: Sequence, alone: bool = False) -> bool:
     """Whether ``seq``'s chunk may share a forward: not when it forks into n > 1 after it (its
     children copy its K/V and logits row by row), nor before its first sample when its grammar came
     compiling (a compile that failed fails the step it samples in, and one still running defers its
@@ -54,7 +70,7 @@ def _batchable(sched: Scheduler, seq: Sequence, alone: bool = False) -> bool:
     return (alone or sched.max_prefill_seqs > 1) and (seq.num_siblings == 1 or seq.has_forked) and not compiled_apart
 
 
-def _more_chunks(sched: Scheduler, budget: int) -> list[PrefillStep]:
+def _more_chunks(sched: PrefillScheduler, budget: int) -> list[PrefillStep]:
     """The chunks of the next waiting sequences that join a prefill step with ``budget`` tokens left,
     admitted in order; a sequence admitted whose chunk cannot join (over the budget, or its blocks
     not free without preempting) prefills in a later step."""
