@@ -111,7 +111,7 @@ class PipelineConfig:
     # -- grammar --
     grammar_cache_bytes: int = 512 * 1024 * 1024  # compiled grammars (and cached errors), least recent out
     grammar_max_concurrent_compiles: int = 2  # per backend
-    # "auto": each request's backend from its features (stages/grammar_dispatch.py); "xgrammar" or
+    # "auto": each request's backend from its features (stages/grammar/dispatch.py); "xgrammar" or
     # "llguidance" forces one (llguidance where it can compile the kind), for benchmarks and operators
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 30.0
@@ -119,7 +119,7 @@ class PipelineConfig:
     # cannot be interrupted; xgrammar's worst took 72 s here). The server sets it, so that it exits
     # within --shutdown-timeout; a library user's `async with Pipeline` waits (nothing left running).
     grammar_abandon_on_shutdown: bool = False
-    # What one constraint may hold before it reaches a native compiler (stages/grammar_limits.py);
+    # What one constraint may hold before it reaches a native compiler (stages/grammar/limits.py);
     # beyond a bound: a 400 naming the field and the limit. Chosen by measuring both backends
     # (xgrammar 0.2.8, llguidance 1.9) at several sizes of each kind (GrammarLimits says why each);
     # past them a chain of 3,000 $refs overflowed llguidance's stack and compile time and memory
@@ -180,7 +180,7 @@ class PipelineConfig:
     # counts it: max_pending_requests)
     engine_queue_size: int = 64
     # "process": the engine (scheduler, model, sampler, grammar matchers) in its own process
-    # (pipeline/core/engine_client.py), so the event loop and the decode loop never share a GIL;
+    # (pipeline/engine/client.py), so the event loop and the decode loop never share a GIL;
     # "thread": the engine's step loop on a thread of the serving process (sampling/async_engine.py).
     # Process by default: it wins the targets here (README, Benchmarks): running decodes' TPOT p99
     # during a burst 1.67x idle against 5.14x (distinct images) and 1.06x against 4.10x (repeated),

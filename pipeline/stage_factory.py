@@ -1,6 +1,7 @@
 """Builds the preparation stages of a checkpoint from a PipelineConfig (the stages themselves know no config).
 
-``pipeline.core.preparation`` owns the stages built here and carries requests through them.
+``pipeline.core.preparation`` owns the stages built here and carries requests through them; the engine
+process builds its grammar stage here too (``pipeline.engine.grammars``), so this module sits below both.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from stages.decode import DecodeStage
 from stages.encoder_cache import EncoderCache
 from stages.fetch import FetchStage
 from stages.grammar import GrammarStage
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
-from stages.grammar_limits import GrammarLimits
+from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar.limits import GrammarLimits
 from stages.process_pool import ImagePool
 from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage

@@ -13,7 +13,7 @@ two requests that share two images never wait on each other in a cycle.
 It lives in the serving process, where requests are prepared. With the vision encoder in the engine
 process (``vision_encoder_placement``) the same cache keeps each image's pixels instead (a
 ``PreparedImage``): a hit skips decode and the image processor, and the embeddings are kept beside
-the engine (pipeline/core/engine_images.py).
+the engine (pipeline/engine/images.py).
 """
 
 from __future__ import annotations

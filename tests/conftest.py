@@ -59,7 +59,7 @@ class CorpusEntry:
 def grammar_compilers(checkpoint: Checkpoint) -> tuple[Any, Any]:
     """Both grammar backends for the embedded tokenizer (llguidance's tokenizer takes ~2 s to build)."""
     from pipeline.config import PipelineConfig
-    from pipeline.core.stage_factory import build_grammar_stage
+    from pipeline.stage_factory import build_grammar_stage
 
     stage = build_grammar_stage(PipelineConfig(), checkpoint)
     return stage.compilers["xgrammar"], stage.compilers["llguidance"]

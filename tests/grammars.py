@@ -12,7 +12,7 @@ import xgrammar as xgr
 
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import LLGrammar, new_matcher
-from stages.grammar_backends import Compiled
+from stages.grammar.backends import Compiled
 
 EOS = 2  # </s> of the embedded tokenizer
 

@@ -24,7 +24,7 @@ _SEED_MASK = (1 << 63) - 1
 
 
 class AnswerCheck(Protocol):
-    """What the gate needs of a compiled constraint's check (see ``stages.answer_check``)."""
+    """What the gate needs of a compiled constraint's check (see ``stages.grammar.answer_check``)."""
 
     def check(self, text: str) -> Any:  # a Violation (with .path, .message, .reason) or None
         ...

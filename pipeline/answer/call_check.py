@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import anyio
 
-from pipeline.core.call_split import CallSplit
+from pipeline.answer.call_split import CallSplit
 from pipeline.protocol.tool_calls import CallReader
 from pipeline.protocol.tools import ToolPlan
 from pipeline.types import GrammarSpec
-from stages.answer_check import AnswerCheck, Violation, build_answer_check
 from stages.grammar import CompiledConstraint
+from stages.grammar.answer_check import AnswerCheck, Violation, build_answer_check
 
 __all__ = ["CallsCheck", "with_calls_check"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.core.call_split import CallSplit
+from pipeline.answer.call_split import CallSplit
 from sampling.inputs import SeqOutput
 from sampling.logits_process import TokenLogprob
 

@@ -10,21 +10,32 @@ from typing import Any
 
 import anyio
 
-from pipeline.core.answer_gate import AnswerGate, resample_params
-from pipeline.core.call_split import CallSplit
-from pipeline.core.choice import Choice, Delta, Result
-from pipeline.core.preparation import PreparedInput
+from pipeline.answer.answer_gate import AnswerGate, resample_params
+from pipeline.answer.call_split import CallSplit
+from pipeline.answer.choice import Choice, Delta, Result
 from pipeline.errors import EngineError, GrammarError, PipelineError, RequestCancelled
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
 from pipeline.outcome import Mailbox, Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.inputs import EngineInput, SeqOutput
-from stages.grammar_types import CompiledConstraint
+from stages.grammar.types import CompiledConstraint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Choice", "Delta", "RequestHandle", "Result"]
+__all__ = ["Choice", "Delta", "PreparedInput", "RequestHandle", "Result"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedInput:
+    """A request ready to decode: the engine's input, and the constraint its answers are checked
+    against (None when unconstrained, or still compiling: then ``verdict`` brings it)."""
+
+    inp: EngineInput
+    constraint: CompiledConstraint | None
+    # the compile's outcome when the request goes to the engine before it ends: no token may leave
+    # before it is in, and a refusal is the request's error (its sequences never sample)
+    verdict: Outcome[CompiledConstraint | None] | None = None
 
 
 class RequestHandle:

@@ -14,12 +14,12 @@ from functools import partial
 import anyio
 import msgspec
 
+from pipeline.answer.choice import Choice as AnswerChoice
+from pipeline.answer.choice import Delta as AnswerDelta
+from pipeline.answer.choice import Result
+from pipeline.answer.handle import RequestHandle
 from pipeline.api.replies import DONE, Reply, Send, StreamReply, built_reply, event
 from pipeline.api.responses import TokenText
-from pipeline.core.choice import Choice as AnswerChoice
-from pipeline.core.choice import Delta as AnswerDelta
-from pipeline.core.choice import Result
-from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import PipelineError
 from pipeline.protocol.request import ChatRequest

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.core.choice import Choice as AnswerChoice
-from pipeline.core.choice import Delta as AnswerDelta
+from pipeline.answer.choice import Choice as AnswerChoice
+from pipeline.answer.choice import Delta as AnswerDelta
 from pipeline.protocol.request_bodies import FunctionCall, ToolCall
 from pipeline.protocol.response_bodies import (
     AssistantMessage,

@@ -16,12 +16,12 @@ from typing import Any
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pipeline.answer.choice import Result
+from pipeline.answer.handle import RequestHandle
 from pipeline.api.completions import answer_completions
 from pipeline.api.openapi import openapi_json
 from pipeline.api.replies import DONE, Reply, Send, StreamReply, built_reply, error_reply, event, json_reply
 from pipeline.api.responses import ChatStream, TokenText, chat_choice
-from pipeline.core.choice import Result
-from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.core.tokenizing import detokenize, token_strings, tokenize
 from pipeline.errors import PipelineError

@@ -40,7 +40,7 @@ from pipeline.bench.common import (
 )
 from pipeline.bench.guided import guided_schema
 from pipeline.config import PipelineConfig, default_cache_dir
-from pipeline.core.engine_factory import build_llm_engine
+from pipeline.engine.factory import build_llm_engine
 from sampling.engine import LLMEngine, StepTiming
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams

@@ -31,7 +31,7 @@ from pipeline.bench.common import (
     write_outputs,
 )
 from pipeline.config import PipelineConfig, default_cache_dir
-from pipeline.core.engine_factory import build_llm_engine
+from pipeline.engine.factory import build_llm_engine
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams

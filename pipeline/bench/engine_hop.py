@@ -30,8 +30,8 @@ from pipeline.bench.common import (
     write_outputs,
 )
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.client import ProcessEngine
 
 __all__ = ["add_arguments", "run"]
 

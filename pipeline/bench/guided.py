@@ -40,8 +40,8 @@ from pipeline.bench.common import (
     write_outputs,
 )
 from pipeline.config import PipelineConfig, default_cache_dir
-from pipeline.core.engine_factory import build_llm_engine
-from pipeline.core.stage_factory import build_grammar_stage
+from pipeline.engine.factory import build_llm_engine
+from pipeline.stage_factory import build_grammar_stage
 from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine, StepTiming
 from sampling.inputs import EngineInput

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from pipeline.bench.common import add_torch_arguments, load_average, machine, median, print_table, torch_device
 from pipeline.config import PipelineConfig, default_cache_dir
-from pipeline.core.engine_factory import build_llm_engine
+from pipeline.engine.factory import build_llm_engine
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams

@@ -14,9 +14,9 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
+from pipeline.answer.handle import RequestHandle
 from pipeline.bench.common import jpeg_bytes, jpeg_data_url, machine, print_table, tracer_for, write_outputs
 from pipeline.config import PipelineConfig
-from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import Overloaded, PipelineError, RequestCancelled
 

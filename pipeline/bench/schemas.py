@@ -29,15 +29,15 @@ from tqdm import tqdm
 
 from pipeline.bench.common import load_average, machine, percentile, print_table, write_outputs
 from pipeline.config import PipelineConfig, default_cache_dir
-from pipeline.core.engine_factory import build_llm_engine
-from pipeline.core.stage_factory import build_grammar_stage
+from pipeline.engine.factory import build_llm_engine
 from pipeline.errors import PipelineError
+from pipeline.stage_factory import build_grammar_stage
 from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
 from sampling.guided import GuidedDecoder, new_matcher
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
-from stages.grammar_backends import Compiled
+from stages.grammar.backends import Compiled
 from vision.checkpoint import open_checkpoint
 
 __all__ = ["add_arguments", "run"]

@@ -17,8 +17,8 @@ from typing import Any
 
 from pipeline.outcome import Outcome
 from pipeline.protocol.request import ChatRequest
-from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS
-from stages.grammar_types import CompiledConstraint
+from stages.grammar.dispatch import LLGUIDANCE_KINDS, PARSED_KINDS
+from stages.grammar.types import CompiledConstraint
 
 __all__ = ["overlaps", "settle"]
 

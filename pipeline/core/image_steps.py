@@ -11,7 +11,7 @@ the request the image's owner, and it decodes and encodes the image once for eve
 meanwhile. The owner's flights are abandoned when its job leaves the stages, whatever its outcome.
 With the vision encoder in the engine process there is no encoder here: the cache keeps pixels, the
 decode step hands them to the requests that wait, and they go to the engine process with the request
-(pipeline/core/engine_images.py).
+(pipeline/engine/images.py).
 """
 
 from __future__ import annotations

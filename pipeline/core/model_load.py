@@ -13,13 +13,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_factory import Engine, build_process_engine, build_thread_engine
-from pipeline.core.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
-from pipeline.core.stage_factory import build_grammar_stage
+from pipeline.engine.client import ProcessEngine
+from pipeline.engine.factory import Engine, build_process_engine, build_thread_engine
+from pipeline.engine.remote_grammar import RemoteGrammarStage, build_remote_grammar_stage
 from pipeline.observability.trace import Tracer
 from pipeline.protocol.sampling_defaults import SamplingDefaults, read_generation_config
 from pipeline.protocol.tool_formats import ToolFormat, tool_format
+from pipeline.stage_factory import build_grammar_stage
 from sampling.families import family_of
 from stages.grammar import GrammarStage
 from stages.template import single_token_id

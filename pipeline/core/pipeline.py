@@ -1,7 +1,7 @@
 """Pipeline: start/stop, ``prepare()`` through the stages and ``submit()`` to the engine.
 
 What start() loads is ``pipeline.core.model_load``'s, the bound on requests in the stages
-``pipeline.core.admission``'s; its stages are built by ``pipeline.core.stage_factory``, and what it
+``pipeline.core.admission``'s; its stages are built by ``pipeline.stage_factory``, and what it
 holds is read by ``pipeline.core.snapshot``.
 """
 
@@ -18,17 +18,16 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 from prometheus_client.registry import Collector
 
+from pipeline.answer.handle import RequestHandle
 from pipeline.config import PipelineConfig
 from pipeline.core.admission import Admission
-from pipeline.core.engine_factory import Engine
-from pipeline.core.handle import RequestHandle
 from pipeline.core.loop_turns import LoopTurns
 from pipeline.core.model_load import LoadedModel, OpenedModel, load_model, open_model
 from pipeline.core.preparation import Preparation, PreparedRequest
 from pipeline.core.run_together import run_together
 from pipeline.core.snapshot import Resources, cache_counters, cache_stats, resources
-from pipeline.core.stage_factory import build_image_pool
 from pipeline.core.staged import Job
+from pipeline.engine.factory import Engine
 from pipeline.errors import ShuttingDown
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.prometheus import MetricsExporter
@@ -36,6 +35,7 @@ from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
 from pipeline.protocol.sampling_defaults import SamplingDefaults
+from pipeline.stage_factory import build_image_pool
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
 from stages.process_pool import ImagePool

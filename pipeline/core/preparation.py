@@ -1,7 +1,7 @@
 """The steps that carry a request through the preparation stages of one model.
 
 ``Preparation`` owns the stage objects (fetch, decode, template, vision encode, grammar; built by
-``pipeline.core.stage_factory``) and one ``StageWorkers`` pool per stage; the ``Pipeline`` owns
+``pipeline.stage_factory``) and one ``StageWorkers`` pool per stage; the ``Pipeline`` owns
 admission, lifecycle and the engine.
 """
 
@@ -16,26 +16,27 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from pipeline.answer.call_check import with_calls_check
+from pipeline.answer.handle import PreparedInput
 from pipeline.config import PipelineConfig
-from pipeline.core.call_check import with_calls_check
-from pipeline.core.engine_factory import check_fits
 from pipeline.core.grammar_overlap import overlaps, settle
 from pipeline.core.image_steps import ImageSteps, RequestImages
 from pipeline.core.loop_turns import LoopTurns
-from pipeline.core.remote_grammar import RemoteGrammarStage
-from pipeline.core.stage_factory import (
+from pipeline.core.staged import Job, StageWorkers
+from pipeline.engine.factory import check_fits
+from pipeline.engine.remote_grammar import RemoteGrammarStage
+from pipeline.errors import PipelineError
+from pipeline.observability.metrics import Metrics
+from pipeline.observability.trace import Tracer
+from pipeline.outcome import Outcome
+from pipeline.protocol.request import ChatRequest
+from pipeline.stage_factory import (
     build_decode_stage,
     build_encoder_cache,
     build_fetch_stage,
     build_template_stage,
     build_vision_stage,
 )
-from pipeline.core.staged import Job, StageWorkers
-from pipeline.errors import PipelineError
-from pipeline.observability.metrics import Metrics
-from pipeline.observability.trace import Tracer
-from pipeline.outcome import Outcome
-from pipeline.protocol.request import ChatRequest
 from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
@@ -46,7 +47,7 @@ from vision.image_text import ImageText
 from vision.mrope import MRopeIndex, MRopePositions
 from vision.preprocess import target_longest_edge
 
-__all__ = ["Preparation", "PreparedInput", "PreparedRequest"]
+__all__ = ["Preparation", "PreparedRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,6 @@ class PreparedRequest:
     # the compiled grammar for an engine in this process that gets the request before its compile ends
     compiled: Future[Any] | None = None
     mrope: MRopePositions | None = None  # M-RoPE models: the prompt's positions, once it has images
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedInput:
-    """A request ready to decode: the engine's input, and the constraint its answers are checked
-    against (None when unconstrained, or still compiling: then ``verdict`` brings it)."""
-
-    inp: EngineInput
-    constraint: CompiledConstraint | None
-    # the compile's outcome when the request goes to the engine before it ends: no token may leave
-    # before it is in, and a refusal is the request's error (its sequences never sample)
-    verdict: Outcome[CompiledConstraint | None] | None = None
 
 
 class Preparation:

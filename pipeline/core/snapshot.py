@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_factory import Engine
 from pipeline.core.preparation import Preparation
+from pipeline.engine.client import ProcessEngine
+from pipeline.engine.factory import Engine
 from pipeline.observability.metrics import Metrics
 from stages.encoder_cache import CacheStats
 

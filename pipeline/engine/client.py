@@ -2,18 +2,18 @@
 
 The pipeline uses either through the same calls (``submit``, ``abort``, ``barrier``, ``stats``,
 ``resources``, ``start``, ``aclose``), so nothing above the engine knows which runs. Commands go
-through the engine process's link (``pipeline.core.engine_link``: the event loop's own transport,
+through the engine process's link (``pipeline.engine.link``: the event loop's own transport,
 never blocking); each engine step's outputs arrive in one message and are handed to their streams
 there, as ``AsyncEngine`` hands them over once per step.
 
 Starting the engine process, and another after it dies or hangs, is ``EngineSupervisor``'s
-(``pipeline.core.engine_supervisor``), which ``ProcessEngine`` extends.
+(``pipeline.engine.supervisor``), which ``ProcessEngine`` extends.
 
 An add waits for room first (``wait_room``): at most ``queue_size`` commands the engine has not
 acknowledged reading (it reads between steps); the acknowledgements wake the waiters, and a lost
 engine process fails them as it fails the requests it held.
 
-An add's tensors cross in the engine process's arena (``pipeline.core.engine_arena``): a region is
+An add's tensors cross in the engine process's arena (``pipeline.engine.arena``): a region is
 taken at ``submit`` (after the wait: a request waiting for room holds none) and freed when the engine
 acknowledges having read the add (it copies the tensors out then); a fault frees them all, and the new
 process gets a new arena.
@@ -27,11 +27,11 @@ from typing import Any
 
 import anyio
 
-from pipeline.core.engine_images import ImageIndex
-from pipeline.core.engine_link import EngineLink
-from pipeline.core.engine_process import EngineProcessSpec
-from pipeline.core.engine_supervisor import EngineSupervisor
-from pipeline.core.engine_wire import (
+from pipeline.engine.images import ImageIndex
+from pipeline.engine.link import EngineLink
+from pipeline.engine.spec import EngineProcessSpec
+from pipeline.engine.supervisor import EngineSupervisor
+from pipeline.engine.wire import (
     Alive,
     BarrierReached,
     GrammarsIdle,
@@ -203,7 +203,7 @@ class ProcessEngine(EngineSupervisor):
 
     def ask(self, *command: Any) -> tuple[int, Outcome[Any]]:
         """Send ``(command[0], token, *command[1:])``; the outcome gets the engine's answer of that
-        token (``pipeline.core.remote_grammar``), or ``EngineFailed`` if the engine process dies first
+        token (``pipeline.engine.remote_grammar``), or ``EngineFailed`` if the engine process dies first
         or sends nothing for ``step_timeout_s`` while the answer is awaited (it is then killed).
 
         :raises EngineFailed: the engine process is being started again after a failure.

@@ -6,9 +6,9 @@ import functools
 from typing import cast
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_images import ImageIndex
-from pipeline.core.engine_process import EngineProcessSpec, SpanBuffer
+from pipeline.engine.client import ProcessEngine
+from pipeline.engine.images import ImageIndex
+from pipeline.engine.spec import EngineProcessSpec, SpanBuffer
 from pipeline.errors import PromptTooLong
 from pipeline.observability.trace import Tracer
 from sampling.async_engine import AsyncEngine

@@ -29,9 +29,9 @@ from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_wire import GrammarsIdle, GrammarVerdict
-from pipeline.core.stage_factory import build_grammar_stage
+from pipeline.engine.wire import GrammarsIdle, GrammarVerdict
 from pipeline.errors import PipelineError, UnsupportedSchemaError
+from pipeline.stage_factory import build_grammar_stage
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint, GrammarStage
 from vision.checkpoint import Checkpoint

@@ -3,7 +3,7 @@
 It starts the process (``python -c``, as the preparation workers are: ``stages/process_pool.py`` says
 why not a ``multiprocessing`` spawn), sends it its spec, waits for its ``Ready``, writes commands through
 the loop's own transport (never blocking: a big add waits in its buffer), hands every later message
-to its owner, and says once when the socket closed. ``pipeline.core.engine_client`` owns the links.
+to its owner, and says once when the socket closed. ``pipeline.engine.client`` owns the links.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from typing import Any, cast
 
 import anyio
 
-from pipeline.core.engine_arena import EngineArena
-from pipeline.core.engine_process import EngineProcessSpec
-from pipeline.core.engine_wire import DECODER, Fatal, FrameReader, Ready, encode_command, frame
+from pipeline.engine.arena import EngineArena
+from pipeline.engine.spec import EngineProcessSpec
+from pipeline.engine.wire import DECODER, Fatal, FrameReader, Ready, encode_command, frame
 from pipeline.errors import EngineFailed
 
 __all__ = ["EngineLink"]
 
 # the child's sys.path is the parent's (argv[2:]), as multiprocessing would set it, before any import
 _BOOTSTRAP = (
-    "import sys; sys.path[:] = sys.argv[2:]; from pipeline.core.engine_process import main; main(int(sys.argv[1]))"
+    "import sys; sys.path[:] = sys.argv[2:]; from pipeline.engine.process_main import main; main(int(sys.argv[1]))"
 )
 _STOP_WAIT_S = 10.0
 
@@ -60,7 +60,7 @@ class _Protocol(asyncio.Protocol):
 class EngineLink:
     """One engine process; ``on_message`` gets its messages after ``Ready``, ``on_lost`` is called once
     if the socket closes after that (the process died or was killed). The process inherits ``arena``'s
-    descriptor (its shared memory for adds' tensors: ``pipeline.core.engine_arena``)."""
+    descriptor (its shared memory for adds' tensors: ``pipeline.engine.arena``)."""
 
     def __init__(
         self,

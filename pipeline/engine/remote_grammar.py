@@ -1,10 +1,10 @@
 """RemoteGrammarStage: the serving process's grammar stage when the engine runs in its own process.
 
-The engine process compiles (``pipeline.core.engine_grammars``): it matches the grammars, and a compiled
+The engine process compiles (``pipeline.engine.grammars``): it matches the grammars, and a compiled
 grammar costs 3-20x its compile to send. At admission a new spec (its size checked) crosses as a hint,
 so the engine's compile overlaps the request's preparation; meanwhile the refusals every compile makes
-first (``stages.grammar_checks.precheck``: limits, schemas without values, unsupported keywords) run
-here, and the answer check (``stages.grammar_checks.CheckBuilder``) is built. ``compile`` returns with
+first (``stages.grammar.checks.precheck``: limits, schemas without values, unsupported keywords) run
+here, and the answer check (``stages.grammar.checks.CheckBuilder``) is built. ``compile`` returns with
 a precheck's refusal at once, else once the engine's verdict is in: a spec the engine refused is the
 same typed 400, naming its field, as in thread mode, before any decode work. Verdicts and checks are
 cached here by spec (bounded like the engine's cache); the engine says unasked when xgrammar's grammar
@@ -26,17 +26,17 @@ from anyio.abc import TaskGroup
 
 from pipeline import errors
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_wire import GrammarVerdict
-from pipeline.core.stage_factory import grammar_limits, llguidance_backend
+from pipeline.engine.client import ProcessEngine
+from pipeline.engine.wire import GrammarVerdict
 from pipeline.errors import GrammarError, PipelineError
 from pipeline.outcome import Outcome
+from pipeline.stage_factory import grammar_limits, llguidance_backend
 from pipeline.types import GrammarSpec
-from stages.answer_check import AnswerCheck
-from stages.grammar_cache import GrammarCache
-from stages.grammar_checks import CheckBuilder, precheck
-from stages.grammar_limits import GrammarLimits, check_size
-from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, cached_entry, counted_hit, unwrap
+from stages.grammar.answer_check import AnswerCheck
+from stages.grammar.cache import GrammarCache
+from stages.grammar.checks import CheckBuilder, precheck
+from stages.grammar.limits import GrammarLimits, check_size
+from stages.grammar.types import CompiledConstraint, GrammarStats, cache_counters, cached_entry, counted_hit, unwrap
 from vision.checkpoint import Checkpoint
 
 __all__ = ["RemoteGrammarStage", "build_remote_grammar_stage"]

@@ -1,17 +1,17 @@
 """The engine process: the ``LLMEngine`` (scheduler, model, sampler, grammar matchers) in its own interpreter.
 
 The serving process keeps the event loop; here the decode loop runs without sharing a GIL with it.
-The serving process's side is ``pipeline.core.engine_client``; the messages are in
-``pipeline.core.engine_wire``. Over one Unix socket pair:
+The serving process's side is ``pipeline.engine.client``; the messages are in
+``pipeline.engine.wire``. Over one Unix socket pair:
 
     serving process                          engine process
     (parent pid, EngineProcessSpec,          parent-death signal, attach the arena
      the engine arena's descriptor) ─────▶   (inherited), load the model
                                         ◀──  Ready(pid)   (or Fatal(message), then exit)
     ("grammar", token, spec) ────────────▶ ◀── GrammarVerdict(token, backend or error)   (at admission:
-                                             the compile overlaps preparation; ``engine_grammars``)
+                                             the compile overlaps preparation; ``grammars``)
     ("add", AddCommand) ─────────────────▶   copy its tensors out of the arena, encode its images
-                                             (the vision encoder here, engine_images: just in time, as
+                                             (the vision encoder here, ``images``: just in time, as
                                              the scheduler's waiting line empties), find its grammar
                                              (compiled, or compiling: then add once it has, or at
                                              once when sent before its verdict), then add
@@ -25,9 +25,7 @@ The serving process's side is ``pipeline.core.engine_client``; the messages are 
                                              has work or compiles a grammar whose verdict is awaited
     ("stop",) ───────────────────────────▶   exits
 
-Started as ``python -c`` with ``main``, as the preparation workers are (``stages/process_pool.py`` says
-why not a ``multiprocessing`` spawn). It exits when the socket closes, and the kernel kills it when the
-serving process dies (``PR_SET_PDEATHSIG``), so it is never left behind.
+``pipeline.engine.process_main`` starts it; ``pipeline.engine.spec`` says what it loads.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import logging
 import os
 import pickle
 import select
-import signal
 import socket
 import threading
 import time
@@ -45,26 +42,20 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from pipeline.config import PipelineConfig
-from pipeline.core.engine_arena import EngineArena
-from pipeline.core.engine_grammars import EngineGrammars
-from pipeline.core.engine_images import EngineImages, ImagePlan
-from pipeline.core.engine_wire import (
+from pipeline.engine.arena import EngineArena
+from pipeline.engine.grammars import EngineGrammars
+from pipeline.engine.images import EngineImages, ImagePlan
+from pipeline.engine.spec import EngineProcessSpec, SpanBuffer
+from pipeline.engine.wire import (
     ENCODER,
     Alive,
     BarrierReached,
-    Fatal,
     FrameReader,
     ImagesLost,
-    Ready,
     Step,
     StepTimeline,
-    TracedSpan,
     decode_input,
     frame,
 )
@@ -73,11 +64,8 @@ from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import steps_since
 from vision.checkpoint import Checkpoint
-from vision.child_process import die_with_parent
-from vision.encoder import VisionEncoder
-from vision.heap import freeze_heap
 
-__all__ = ["EngineProcessSpec", "SpanBuffer", "figures", "main"]
+__all__ = ["ALIVE_EVERY_S", "EngineServer", "figures"]
 
 # a message at least this often while the engine has work or owes an answer (the hang detector reads
 # it): well under the shortest hang deadline that makes sense (a second), so that deadline holds on a
@@ -87,33 +75,6 @@ ALIVE_EVERY_S = 0.25
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineProcessSpec:
-    """What the engine process loads."""
-
-    config: PipelineConfig
-    checkpoint_path: str
-    device: str
-    trace: bool = False  # trace the engine's steps (the serving process's tracer records them)
-    encodes: bool = False  # the vision encoder runs here (pipeline/core/engine_images.py)
-
-
-class SpanBuffer:
-    """The engine's tracer here: its step spans wait for the next ``Step`` to carry them across."""
-
-    def __init__(self) -> None:
-        self._spans: list[TracedSpan] = []
-
-    def span(self, name: str, cat: str, request_id: str | None, start: float, end: float, **args: Any) -> None:
-        """``Tracer.span``'s interface (the engine's spans have no request)."""
-        self._spans.append(TracedSpan(name, cat, start, end, args))
-
-    def take(self) -> list[TracedSpan]:
-        """The spans kept since the last call (the stepping thread records them, the same one takes them)."""
-        spans, self._spans = self._spans, []
-        return spans
 
 
 def figures(engine: LLMEngine) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
@@ -358,58 +319,3 @@ class EngineServer:
 def _error_outputs(inp: EngineInput, message: str) -> list[SeqOutput]:
     """The outputs that end each of ``inp``'s sequences with ``message`` (an error, nothing sampled)."""
     return [SeqOutput(inp.request_id, i, [], "", finish_reason="error", error=message) for i in range(inp.sampling.n)]
-
-
-def _first_frame(sock: socket.socket, reader: FrameReader) -> bytes:
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            raise EOFError("the serving process closed the socket before the spec")
-        frames = reader.feed(data)
-        if frames:  # nothing else is sent before our Ready
-            return frames[0]
-
-
-def _set_niceness(nice: int) -> None:
-    """Run at niceness ``nice``, before any other thread starts (Linux: threads inherit it)."""
-    if nice == os.getpriority(os.PRIO_PROCESS, 0):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except PermissionError:  # raising priority needs CAP_SYS_NICE
-        logger.warning(
-            "engine process: niceness %d not permitted, running at %d", nice, os.getpriority(os.PRIO_PROCESS, 0)
-        )
-
-
-def main(fd: int) -> None:
-    """The engine process's entry point: ``fd`` is its end of the socket pair (the spec's frame names the
-    engine arena's descriptor, inherited like ``fd``; None: every add's tensors come inline)."""
-    from pipeline.core.engine_factory import build_llm_engine
-
-    sock = socket.socket(fileno=fd)
-    parent_pid, spec, arena_fd = pickle.loads(_first_frame(sock, FrameReader()))
-    die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
-    if spec.config.engine_torch_threads:
-        torch.set_num_threads(spec.config.engine_torch_threads)
-    _set_niceness(spec.config.engine_process_nice)
-    try:
-        checkpoint = Checkpoint(Path(spec.checkpoint_path))
-        spans = SpanBuffer() if spec.trace else None
-        engine = build_llm_engine(checkpoint, spec.config, device=spec.device, tracer=spans)
-        arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
-        images = None
-        if spec.encodes:
-            hidden = int(checkpoint.text_config.hidden_size)
-            images = EngineImages(VisionEncoder(checkpoint, device=spec.device), hidden)
-        server = EngineServer(sock, engine, spec, checkpoint, arena, spans, images)  # builds the grammar stage
-    except Exception as exc:  # report why, then exit: the serving process's start fails with it
-        sock.sendall(frame(ENCODER.encode(Fatal(f"{type(exc).__name__}: {exc}"))))
-        return
-    freeze_heap()  # the model and the grammar stage stay: no collection walks them again
-    server.send(Ready(os.getpid()))
-    try:
-        server.serve()
-    finally:
-        server.grammars.close()

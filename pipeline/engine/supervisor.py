@@ -1,5 +1,5 @@
 """The engine process's lifecycle, seen from the serving process: start it, stop it, and start another
-when it dies or hangs (the half of ``ProcessEngine`` that keeps one running; pipeline/core/engine_client.py
+when it dies or hangs (the half of ``ProcessEngine`` that keeps one running; pipeline/engine/client.py
 is the half that talks to it).
 
 Faults: an engine process that dies (kill -9, out of memory, a native crash), or that makes no progress
@@ -20,9 +20,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from pipeline.core.engine_arena import EngineArena
-from pipeline.core.engine_link import EngineLink
-from pipeline.core.engine_process import EngineProcessSpec
+from pipeline.engine.arena import EngineArena
+from pipeline.engine.link import EngineLink
+from pipeline.engine.spec import EngineProcessSpec
 from pipeline.errors import EngineFailed
 from sampling.async_engine import OutputStream
 

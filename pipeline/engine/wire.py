@@ -6,7 +6,7 @@ A frame is a 4-byte little-endian length and a body, over one Unix socket pair. 
 (pickle: 74 and 50 us), so the per-step messages from the engine are msgspec, typed. Commands go the
 other way once per request (or abort), so they are pickled: an ``EngineInput`` with a ``GrammarSpec``
 and sampling parameters; its tensors (image embeddings, ``extra_prefill``) in the engine arena's shared
-memory (``pipeline.core.engine_arena``), or as raw bytes in the frame when they do not fit there (about
+memory (``pipeline.engine.arena``), or as raw bytes in the frame when they do not fit there (about
 0.7 ms per MB, one way, copies included). ZeroMQ, which vLLM and SGLang use, is not installed here and
 would add nothing to a socket pair between two processes of one host.
 
@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 import torch
 
-from pipeline.core.engine_arena import EngineArena, Tensors
-from pipeline.core.engine_images import ImagePlan
+from pipeline.engine.arena import EngineArena, Tensors
+from pipeline.engine.images import ImagePlan
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.timeline import StepTiming
 
@@ -175,7 +175,7 @@ class AddCommand:
     """An ``EngineInput`` as it crosses: its fields but the compiled grammar; its tensors either in the
     engine arena (``shared``: where) or inline (``embeds`` and ``pixels`` as bytes, ``extra_prefill``
     in ``values``). With the vision encoder in the engine process, ``images`` says what to do with
-    the images, and only the pixels it says cross do (pipeline/core/engine_images.py)."""
+    the images, and only the pixels it says cross do (pipeline/engine/images.py)."""
 
     values: dict[str, Any]  # every field of the EngineInput but grammar, image_embeds and image_pixels
     embeds: Raw | None  # image_embeds

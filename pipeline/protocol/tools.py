@@ -33,7 +33,7 @@ from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolCho
 from pipeline.protocol.tool_formats import FORMATS, ToolFormat
 from pipeline.protocol.wire import check_depth
 from pipeline.types import GrammarSpec
-from stages.empty_schemas import empty_schema_reason
+from stages.grammar.empty_schemas import empty_schema_reason
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
 

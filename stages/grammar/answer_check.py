@@ -198,7 +198,7 @@ def _schema_validator(schema: Any, field: str) -> jsonschema_rs.Validator:
 
 def _never_fetch(uri: str) -> dict[str, Any]:
     # A remote $ref is never fetched (no network, and no request may make us fetch): it accepts any value, as the
-    # grammar treats it. A strict schema with one is refused before this (stages.schema_support).
+    # grammar treats it. A strict schema with one is refused before this (stages.grammar.schema_support).
     return {}
 
 

@@ -1,6 +1,6 @@
 """Which backend serves a spec: the forced one, the dispatch table's, or llguidance standing in for xgrammar.
 
-- The backend comes from the spec's features (``stages.grammar_dispatch``). A JSON schema, JSON
+- The backend comes from the spec's features (``stages.grammar.dispatch``). A JSON schema, JSON
   object, regex or choice meant for xgrammar is served by llguidance instead (a stand-in) at its
   first use, and no xgrammar compile starts then: llguidance compiles in milliseconds, so no request
   waits for an xgrammar compile llguidance can stand in for (measured with ``bench compile``:
@@ -24,11 +24,11 @@ from __future__ import annotations
 from pipeline.errors import GrammarError, UnsupportedSchemaError
 from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
-from stages.grammar_backends import XGrammarCompiler
-from stages.grammar_compile import BACKGROUND_NICE, parse_on_thread
-from stages.grammar_dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
-from stages.grammar_jobs import GrammarJobs
-from stages.grammar_types import FIRST_USE, OUTLASTS, SLOTS_BUSY, CompiledConstraint
+from stages.grammar.backends import XGrammarCompiler
+from stages.grammar.compile import BACKGROUND_NICE, parse_on_thread
+from stages.grammar.dispatch import LLGUIDANCE_KINDS, PARSED_KINDS, choose_backend, is_lark
+from stages.grammar.jobs import GrammarJobs
+from stages.grammar.types import FIRST_USE, OUTLASTS, SLOTS_BUSY, CompiledConstraint
 
 __all__ = ["BackendChoice"]
 

@@ -4,7 +4,7 @@ plus the answer check of the same spec; and our own error messages for both.
 - xgrammar compiles every kind; JSON without free whitespace (``any_whitespace=False``).
 - llguidance compiles JSON schemas, regexes, choices, EBNF grammars (converted to Lark), Lark
   grammars (vLLM's ``guided_grammar`` takes Lark) and the structural tags Lark says exactly
-  (``sampling.llguidance_tags``); ``stages.grammar_dispatch`` decides which backend a spec goes to.
+  (``sampling.llguidance_tags``); ``stages.grammar.dispatch`` decides which backend a spec goes to.
 - ``XGrammarCompiler.parse`` checks an EBNF grammar or a structural tag without the tokenizer
   (milliseconds, no compile slot), so a malformed one is refused at once.
 
@@ -29,10 +29,10 @@ from pipeline.types import GrammarSpec
 from sampling.llguidance_backend import LLGuidanceBackend
 from sampling.llguidance_matcher import INTERNAL_FAILURE, LLGrammar, clean_library_message
 from sampling.llguidance_schema import close_schema
-from stages.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
-from stages.empty_schemas import empty_schema_reason
-from stages.grammar_dispatch import is_lark
-from stages.schema_support import check_schema_support
+from stages.grammar.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
+from stages.grammar.dispatch import is_lark
+from stages.grammar.empty_schemas import empty_schema_reason
+from stages.grammar.schema_support import check_schema_support
 
 __all__ = ["Compiled", "LLGuidanceCompiler", "XGrammarCompiler", "clean_message", "refuse_without_values"]
 
@@ -168,7 +168,7 @@ class XGrammarCompiler:
         if spec.kind == "json_schema":
             refuse_without_values(spec)
             if isinstance(value, dict):
-                # keywords xgrammar ignores (stages.schema_support) are held by the answer check
+                # keywords xgrammar ignores (stages.grammar.schema_support) are held by the answer check
                 check_schema_support(value, strict=spec.strict, field=spec.field)
                 return self.compiler.compile_json_schema(
                     json.dumps(value), any_whitespace=self.any_whitespace, strict_mode=spec.strict

@@ -2,7 +2,7 @@
 compile, and the answer check of every finished answer.
 
 With the engine in its own process (``engine_mode="process"``) the grammars are compiled there, where
-they are matched; the serving process keeps the answer check (``stages.answer_check``). A JSON schema's,
+they are matched; the serving process keeps the answer check (``stages.grammar.answer_check``). A JSON schema's,
 a regex's and a choice's check need no compiled grammar. A grammar's or a structural tag's check is a
 compiled grammar's own acceptor: it is compiled here by xgrammar against an empty vocabulary, which
 skips the token masks that make a compile cost (measured: an EBNF grammar 0.3 ms, a structural tag
@@ -19,11 +19,11 @@ import xgrammar as xgr
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
 from sampling.llguidance_backend import LLGuidanceBackend
-from stages.answer_check import AnswerCheck, build_answer_check
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler, refuse_without_values
-from stages.grammar_dispatch import is_lark
-from stages.grammar_limits import GrammarLimits, check_limits
-from stages.schema_support import check_schema_support
+from stages.grammar.answer_check import AnswerCheck, build_answer_check
+from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler, refuse_without_values
+from stages.grammar.dispatch import is_lark
+from stages.grammar.limits import GrammarLimits, check_limits
+from stages.grammar.schema_support import check_schema_support
 
 __all__ = ["CheckBuilder", "precheck"]
 

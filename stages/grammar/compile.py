@@ -1,8 +1,8 @@
 """A grammar compile or parse as it runs on a compile thread: bounded, on a large stack, at a given niceness.
 
-What reaches a compiler is bounded (``stages.grammar_limits``): the size on the loop (the cache key
+What reaches a compiler is bounded (``stages.grammar.limits``): the size on the loop (the cache key
 holds it), the rest here, on the compile thread. Each compile runs on one of the process's long-lived
-threads with a large stack, and a large one trims the heap after it (``stages.native_calls``).
+threads with a large stack, and a large one trims the heap after it (``stages.grammar.native_calls``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import anyio
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import INTERNAL_FAILURE
-from stages.grammar_backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
-from stages.grammar_limits import GrammarLimits, check_limits
-from stages.native_calls import release_free_memory, run_on_large_stack
+from stages.grammar.backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar.limits import GrammarLimits, check_limits
+from stages.grammar.native_calls import release_free_memory, run_on_large_stack
 
 __all__ = ["BACKGROUND_NICE", "compile_on_thread", "parse_on_thread"]
 

@@ -5,7 +5,7 @@ xgrammar (0.2.8) is the default: its masks are fast and its JSON is what the eng
 llguidance takes what xgrammar enforces wrongly or compiles slowly: it compiled the dev corpus's
 schemas in milliseconds (xgrammar: p90 over a second, worst tens of seconds) and in strict mode it
 refuses what it cannot enforce instead of ignoring it. Whatever either backend lets through, the
-answer check (``stages/answer_check.py``) still catches; the dispatch only makes that rarer.
+answer check (``stages/grammar/answer_check.py``) still catches; the dispatch only makes that rarer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.types import GrammarSpec
-from stages.schema_walk import SchemaWalk
+from stages.grammar.schema_walk import SchemaWalk
 
 __all__ = [
     "LLGUIDANCE_KINDS",
@@ -135,7 +135,7 @@ def _subschemas(node: Any) -> Iterator[dict[str, Any]]:
 
 def schema_nodes(schema: Any) -> int:
     """The number of objects and arrays in ``schema``, counted as the admission limit counts them
-    (``grammar_max_schema_nodes``, stages/grammar_limits.py): the estimate of its compile cost."""
+    (``grammar_max_schema_nodes``, stages/grammar/limits.py): the estimate of its compile cost."""
     walk = SchemaWalk(schema)
     for _ in walk.nodes(sys.maxsize):
         pass

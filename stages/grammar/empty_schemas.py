@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.json_pointer import resolve_local_ref
+from stages.grammar.json_pointer import resolve_local_ref
 
 __all__ = ["empty_schema_reason"]
 

@@ -1,6 +1,6 @@
 """The grammar stage's compile jobs: one per backend and spec, run in a worker thread, their result cached.
 
-- Compiles run on the process's compile threads (``stages.native_calls``), each backend under its own limiter.
+- Compiles run on the process's compile threads (``stages.grammar.native_calls``), each backend under its own limiter.
 - Concurrent identical compiles share one job. Jobs belong to the stage's task group, not to the
   first caller, so that caller's cancellation does not cancel the job for the others.
 - A job's grammar replaces a cached error, and xgrammar's grammar the llguidance stand-in of the
@@ -18,11 +18,11 @@ from anyio.abc import TaskGroup
 from pipeline.errors import GrammarError, PipelineError
 from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
-from stages.grammar_cache import GrammarCache
-from stages.grammar_compile import compile_on_thread
-from stages.grammar_limits import GrammarLimits
-from stages.grammar_types import STAND_IN_REASONS, CompiledConstraint, GrammarStats
+from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar.cache import GrammarCache
+from stages.grammar.compile import compile_on_thread
+from stages.grammar.limits import GrammarLimits
+from stages.grammar.types import STAND_IN_REASONS, CompiledConstraint, GrammarStats
 
 __all__ = ["GrammarJobs"]
 

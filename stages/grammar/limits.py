@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from stages.schema_walk import SchemaWalk
+from stages.grammar.schema_walk import SchemaWalk
 
 __all__ = ["GrammarLimits", "check_limits", "check_size"]
 

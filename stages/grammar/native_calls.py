@@ -3,7 +3,7 @@
 - Stack: xgrammar and llguidance recurse in native code, and a native stack overflow kills the
   process (Python never sees an exception). llguidance used about 3.2 KB of stack per ``$ref`` it
   followed: the default 8 MB thread stack overflowed at a chain of 3,000, 64 MB held 20,000. The
-  bounds of ``stages.grammar_limits`` keep accepted constraints far below either; the large stack
+  bounds of ``stages.grammar.limits`` keep accepted constraints far below either; the large stack
   is the margin for recursion they do not model. Threads reserve their stack as address space and
   touch only what they use, so a large one costs nothing until a compile needs it. The compile
   threads live as long as the process (``LargeStackThreads``): one started per compile cost more

@@ -1,7 +1,7 @@
 """The check that refuses a strict schema nothing here can hold: a remote ``$ref``.
 
 Keywords xgrammar ignores (``uniqueItems``, ``not``, ``if``/``then``, ...) no longer refuse a schema:
-the answer check (``stages/answer_check.py``) validates every answer against the whole schema, and a
+the answer check (``stages/grammar/answer_check.py``) validates every answer against the whole schema, and a
 failing answer is resampled or refused, never returned. What neither a grammar nor the check can hold
 is a remote ``$ref`` (never fetched): a ``strict`` schema with one is refused with a 400 naming it;
 ``strict: false`` accepts it as any value.

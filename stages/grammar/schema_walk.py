@@ -1,12 +1,12 @@
 """A schema's objects and arrays, and its depth through local ``$ref`` chains, walked without recursion
-(a hostile schema cannot raise ``RecursionError``): what ``stages.grammar_limits`` bounds."""
+(a hostile schema cannot raise ``RecursionError``): what ``stages.grammar.limits`` bounds."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from stages.json_pointer import resolve_local_ref
+from stages.grammar.json_pointer import resolve_local_ref
 
 __all__ = ["SchemaWalk"]
 

@@ -2,13 +2,13 @@
 bounded, and unable to starve the server.
 
 - Which backend serves a spec, and when llguidance stands in for xgrammar:
-  ``stages.grammar_backend_choice``; the compile jobs, single-flight and each backend under its
-  own limiter: ``stages.grammar_jobs``; a compile in its worker thread: ``stages.grammar_compile``.
-- The cache (``stages.grammar_cache``) is keyed by the canonical spec, bounded by bytes
+  ``stages.grammar.backend_choice``; the compile jobs, single-flight and each backend under its
+  own limiter: ``stages.grammar.jobs``; a compile in its worker thread: ``stages.grammar.compile``.
+- The cache (``stages.grammar.cache``) is keyed by the canonical spec, bounded by bytes
   (``cache_bytes``: xgrammar reports a grammar's size, llguidance's is estimated). Errors are cached
   too (small): the same bad schema fails the same way, free.
 - A waiter gives up after ``timeout_s`` with a 504.
-- What reaches a compiler is bounded (``stages.grammar_limits``): the size on the loop (the cache
+- What reaches a compiler is bounded (``stages.grammar.limits``): the size on the loop (the cache
   key holds it), the rest in the compile thread.
 """
 
@@ -20,11 +20,11 @@ from anyio.abc import TaskGroup
 from pipeline.errors import DeadlineExceeded, GrammarError, PipelineError
 from pipeline.outcome import Outcome
 from pipeline.types import GrammarSpec
-from stages.grammar_backend_choice import BackendChoice
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
-from stages.grammar_cache import GrammarCache
-from stages.grammar_limits import GrammarLimits, check_size
-from stages.grammar_types import CompiledConstraint, GrammarStats, cache_counters, cached_entry, counted_hit, unwrap
+from stages.grammar.backend_choice import BackendChoice
+from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar.cache import GrammarCache
+from stages.grammar.limits import GrammarLimits, check_size
+from stages.grammar.types import CompiledConstraint, GrammarStats, cache_counters, cached_entry, counted_hit, unwrap
 
 __all__ = ["CompiledConstraint", "GrammarStage", "GrammarStats"]
 

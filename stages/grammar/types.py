@@ -1,5 +1,5 @@
 """The grammar stage's values: a request's compiled constraint, the reasons that make one a stand-in, the
-counts; and what both grammar stages (``stages.grammar``, ``pipeline.core.remote_grammar``) make of them."""
+counts; and what both grammar stages (``stages.grammar``, ``pipeline.engine.remote_grammar``) make of them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import PipelineError
-from stages.answer_check import AnswerCheck
-from stages.grammar_cache import GrammarCache
+from stages.grammar.answer_check import AnswerCheck
+from stages.grammar.cache import GrammarCache
 
 __all__ = [
     "FIRST_USE",

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 
 from pipeline import PipelineConfig
+from pipeline.answer.call_check import with_calls_check
 from pipeline.api.responses import TokenText, chat_choice
-from pipeline.core.call_check import with_calls_check
 from pipeline.core.pipeline import Pipeline
 from tests.models.plain_tags import NEWLINE_MARKER, build_multi_token_qwen
 from tests.models.tool_requests import MESSAGES, SCHEMAS, TOOLS, FamilyDir

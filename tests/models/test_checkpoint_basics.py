@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_factory import build_llm_engine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.factory import build_llm_engine
 from pipeline.errors import InvalidRequest
 from pipeline.protocol.request import parse_chat_request
 from stages.template import TemplateStage

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_factory import build_llm_engine
+from pipeline.engine.factory import build_llm_engine
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import blocks_needed

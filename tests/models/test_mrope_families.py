@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_factory import build_llm_engine
 from pipeline.core.pipeline import Pipeline
-from pipeline.core.stage_factory import encoder_cache_namespace
+from pipeline.engine.factory import build_llm_engine
 from pipeline.errors import ImageDecodeError
+from pipeline.stage_factory import encoder_cache_namespace
 from sampling.engine import LLMEngine
 from sampling.hf_adapter import HFModelRunner
 from sampling.inputs import EngineInput, ImageKey, SeqOutput

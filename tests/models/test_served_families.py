@@ -14,8 +14,8 @@ import torch
 
 from pipeline import PipelineConfig
 from pipeline.api.server import create_app
-from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.client import ProcessEngine
 from tests.images import data_url, encode, make_image
 from tests.servers import serving
 

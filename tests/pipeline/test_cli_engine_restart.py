@@ -25,7 +25,7 @@ BODY = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "ignore
 
 
 def _engines(pid: int) -> list[int]:
-    return [child for child in children(pid) if "pipeline.core.engine_process" in cmdline(child)]
+    return [child for child in children(pid) if "pipeline.engine.process_main" in cmdline(child)]
 
 
 async def _health(session: aiohttp.ClientSession, url: str) -> int:

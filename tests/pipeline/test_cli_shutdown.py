@@ -62,7 +62,7 @@ async def test_a_shutdown_during_a_long_compile_respects_the_timeout() -> None:
             with anyio.fail_after(120):
                 url = await _serving_url(process)
             # the engine process has loaded its model before the server says it is serving
-            engines = [pid for pid in children(process.pid) if "pipeline.core.engine_process" in cmdline(pid)]
+            engines = [pid for pid in children(process.pid) if "pipeline.engine.process_main" in cmdline(pid)]
             assert len(engines) == 1
             async with aiohttp.ClientSession() as session, anyio.create_task_group() as tg:
                 answers: list[tuple[int, dict[str, object]]] = []

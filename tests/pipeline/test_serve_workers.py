@@ -50,7 +50,7 @@ async def test_the_workers_end_with_the_server(ending: signal.Signals) -> None:
                 await anyio.sleep(0.05)  # noqa: sleep-ok: polls /proc; another process's children give no event
                 workers = [pid for pid in children(process.pid) if "vision.image_worker" in cmdline(pid)]
             # the engine process has loaded its model before the server says it is serving
-            engines = [pid for pid in children(process.pid) if "pipeline.core.engine_process" in cmdline(pid)]
+            engines = [pid for pid in children(process.pid) if "pipeline.engine.process_main" in cmdline(pid)]
             assert len(engines) == 1
         process.send_signal(ending)
         with anyio.fail_after(60):

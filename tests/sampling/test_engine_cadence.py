@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_factory import build_llm_engine
+from pipeline.engine.factory import build_llm_engine
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import add, prompt, run_all
 from vision.checkpoint import Checkpoint

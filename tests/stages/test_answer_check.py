@@ -1,4 +1,5 @@
-"""The answer check (stages/answer_check.py): every kind, the escapes grammar engines let through, the corpus."""
+"""The answer check (stages/grammar/answer_check.py): every kind, the escapes grammar engines let through,
+the corpus."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import xgrammar as xgr
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from stages.answer_check import AnswerCheck, Violation, build_answer_check, xgrammar_acceptor
+from stages.grammar.answer_check import AnswerCheck, Violation, build_answer_check, xgrammar_acceptor
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "jsonschemabench"
 DRAFT4 = "http://json-schema.org/draft-04/schema#"

@@ -17,8 +17,8 @@ from pipeline.observability.metrics import Metrics
 from pipeline.observability.prometheus import MetricsExporter
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint, GrammarStage
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler, clean_message
-from stages.grammar_types import FIRST_USE
+from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler, clean_message
+from stages.grammar.types import FIRST_USE
 from tests.conftest import CorpusEntry
 from tests.grammars import GatedCompiler, accepts
 

@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from stages.grammar_dispatch import MAX_XGRAMMAR_NODES, ROWS, Dispatch, choose_backend, schema_nodes
-from stages.schema_walk import SchemaWalk
+from stages.grammar.dispatch import MAX_XGRAMMAR_NODES, ROWS, Dispatch, choose_backend, schema_nodes
+from stages.grammar.schema_walk import SchemaWalk
 from tests.grammars import accepts
 
 # row feature -> (schema, an answer that breaks it (or None), a valid answer xgrammar refuses (or None));

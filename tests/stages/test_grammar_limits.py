@@ -14,8 +14,8 @@ from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import INTERNAL_FAILURE
 from stages.grammar import GrammarStage
-from stages.grammar_backends import Compiled, clean_message
-from stages.grammar_limits import GrammarLimits, check_limits, check_size
+from stages.grammar.backends import Compiled, clean_message
+from stages.grammar.limits import GrammarLimits, check_limits, check_size
 from tests.conftest import CORPUS_DIR
 from tests.stages.test_grammar import GatedCompiler, make_stage
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pipeline.errors import GrammarError
-from stages.answer_check import MatchCheck
-from stages.grammar_cache import GrammarCache
-from stages.grammar_types import CompiledConstraint, GrammarStats, cached_entry, counted_hit
+from stages.grammar.answer_check import MatchCheck
+from stages.grammar.cache import GrammarCache
+from stages.grammar.types import CompiledConstraint, GrammarStats, cached_entry, counted_hit
 
 KB = 1024  # a cached refusal's nominal size; the caches below hold four such entries
 

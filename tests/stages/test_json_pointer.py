@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stages.empty_schemas import empty_schema_reason
-from stages.json_pointer import resolve_local_ref
-from stages.schema_walk import SchemaWalk
+from stages.grammar.empty_schemas import empty_schema_reason
+from stages.grammar.json_pointer import resolve_local_ref
+from stages.grammar.schema_walk import SchemaWalk
 
 ROOT = {
     "$defs": {"a/b": {"type": "integer"}, "a~b": {"type": "string"}, "a b": False, "list": [{"type": "null"}]},

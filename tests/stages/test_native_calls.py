@@ -10,7 +10,7 @@ import threading
 import anyio
 import pytest
 
-from stages.native_calls import COMPILE_STACK_BYTES, LargeStackThreads, run_on_large_stack
+from stages.grammar.native_calls import COMPILE_STACK_BYTES, LargeStackThreads, run_on_large_stack
 
 pytestmark = pytest.mark.anyio
 

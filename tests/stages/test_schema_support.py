@@ -1,4 +1,4 @@
-"""What ``stages/schema_support.py`` refuses: only what neither a grammar nor the answer check can hold.
+"""What ``stages/grammar/schema_support.py`` refuses: only what neither a grammar nor the answer check can hold.
 
 Keywords xgrammar 0.2.8 ignores (each case: a schema and an instance that violates only that keyword)
 are accepted, since every answer is validated against the whole schema; a remote ``$ref`` is not.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import UnsupportedSchemaError
-from stages.schema_support import check_schema_support
+from stages.grammar.schema_support import check_schema_support
 
 IGNORED = {
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),

@@ -2,7 +2,7 @@
 400 naming the field and the limit, none hangs; after the ladder the server is alive, holds
 nothing, and its memory is bounded.
 
-Steps sit around each bound of ``stages.grammar_limits`` (not giant inputs: the inputs that once
+Steps sit around each bound of ``stages.grammar.limits`` (not giant inputs: the inputs that once
 crashed the process or kept gigabytes are refused by size before they reach a compiler).
 """
 

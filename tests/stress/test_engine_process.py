@@ -16,10 +16,11 @@ import pytest
 
 from pipeline import PipelineConfig
 from pipeline.api.replies import error_reply
-from pipeline.core import engine_link, model_load
+from pipeline.core import model_load
 from pipeline.core import pipeline as pipeline_module
-from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine import link as engine_link
+from pipeline.engine.client import ProcessEngine
 from pipeline.errors import EngineFailed
 from stages import process_pool
 from tests.released import assert_released

@@ -19,11 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import PipelineConfig
+from pipeline.answer.handle import PreparedInput, RequestHandle
 from pipeline.api.server import create_app
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
-from pipeline.core.preparation import PreparedInput
+from pipeline.engine.client import ProcessEngine
 from pipeline.errors import EngineFailed, Overloaded, RequestCancelled
 from sampling.async_engine import AsyncEngine
 from tests.images import data_url, encode, image_request, make_image

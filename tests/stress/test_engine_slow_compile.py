@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.client import ProcessEngine
 from pipeline.errors import GrammarError
 from tests.released import assert_released
 
@@ -26,7 +26,7 @@ STEP_TIMEOUT_S = 0.75
 _SITECUSTOMIZE = f"""
 import os, time
 if os.environ.get("SLOW_COMPILE_MARKER"):
-    from stages.grammar_backends import XGrammarCompiler
+    from stages.grammar.backends import XGrammarCompiler
 
     _real = XGrammarCompiler.compile
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_factory import build_llm_engine
+from pipeline.engine.factory import build_llm_engine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint

@@ -14,9 +14,9 @@ import pytest
 from anyio.lowlevel import checkpoint
 
 from pipeline import PipelineConfig
+from pipeline.answer.handle import RequestHandle
 from pipeline.api.replies import Reply, StreamReply
 from pipeline.api.routes import Api
-from pipeline.core.handle import RequestHandle
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import GrammarError, ImageDecodeError
 from pipeline.protocol.request import ChatRequest

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline import PipelineConfig
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
-from stages.grammar_types import FIRST_USE
+from stages.grammar.types import FIRST_USE
 from tests.images import data_url, encode, image_request, make_image
 from tests.servers import serving
 

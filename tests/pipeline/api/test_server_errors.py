@@ -17,7 +17,7 @@ from pipeline import PipelineConfig
 from pipeline.api.openapi import openapi_document
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
-from stages.grammar_types import FIRST_USE
+from stages.grammar.types import FIRST_USE
 from tests.images import data_url, encode, make_image
 from tests.released import assert_released
 from tests.servers import serving

@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.core.answer_gate import AnswerGate, resample_params
+from pipeline.answer.answer_gate import AnswerGate, resample_params
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import InvalidAnswer
 from pipeline.types import GrammarSpec
 from sampling.params import SamplingParams
-from stages.answer_check import build_answer_check
+from stages.grammar.answer_check import build_answer_check
 from tests.released import assert_released
 
 

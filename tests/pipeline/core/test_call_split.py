@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.call_split import CallSplit
+from pipeline.answer.call_split import CallSplit
 
 HERMES = 'Let me see <tool_call>{"name": "f", "arguments": {}}</tool_call>'
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.core.engine_arena import ALIGN, EngineArena, RingAllocator
+from pipeline.engine.arena import ALIGN, EngineArena, RingAllocator
 
 
 def test_regions_are_aligned_and_taken_one_after_another() -> None:

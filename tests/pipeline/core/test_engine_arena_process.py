@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.client import ProcessEngine
 from pipeline.errors import EngineFailed, RequestCancelled
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released

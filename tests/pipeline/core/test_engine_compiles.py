@@ -16,10 +16,10 @@ import pytest
 
 from pipeline import PipelineConfig
 from pipeline.core.pipeline import Pipeline
-from pipeline.core.remote_grammar import RemoteGrammarStage
+from pipeline.engine.remote_grammar import RemoteGrammarStage
 from pipeline.errors import GrammarError, PipelineError, RequestCancelled
-from stages.grammar_backends import LLGuidanceCompiler, XGrammarCompiler
-from stages.grammar_types import FIRST_USE
+from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler
+from stages.grammar.types import FIRST_USE
 from tests.images import data_url, encode, image_request, make_image
 from tests.pipeline.core.test_grammar_stand_in import TEXT, guided, schema, served_by
 from tests.released import assert_released

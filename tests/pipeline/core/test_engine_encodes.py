@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
-from pipeline.core.engine_images import ImageIndex
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.client import ProcessEngine
+from pipeline.engine.images import ImageIndex
 from pipeline.errors import EngineFailed
 from pipeline.observability.trace import Tracer
 from sampling.inputs import EngineInput

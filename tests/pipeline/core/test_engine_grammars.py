@@ -13,11 +13,11 @@ import pytest
 import xgrammar as xgr
 
 from pipeline.config import PipelineConfig
-from pipeline.core.engine_grammars import EngineGrammars
-from pipeline.core.engine_wire import GrammarsIdle, GrammarVerdict
+from pipeline.engine.grammars import EngineGrammars
+from pipeline.engine.wire import GrammarsIdle, GrammarVerdict
 from pipeline.types import GrammarSpec
 from sampling.llguidance_matcher import LLGrammar
-from stages.grammar_types import FIRST_USE
+from stages.grammar.types import FIRST_USE
 from vision.checkpoint import Checkpoint
 
 SPEC = GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from pipeline.core.engine_images import EngineImages, ImageIndex
+from pipeline.engine.images import EngineImages, ImageIndex
 from sampling.inputs import EngineInput, ImageKey
 from sampling.params import SamplingParams
 from tests.images import make_image

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from pipeline import PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
 from pipeline.core.pipeline import Pipeline
+from pipeline.engine.client import ProcessEngine
 
 
 @pytest.fixture

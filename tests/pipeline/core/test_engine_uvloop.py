@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from pipeline import Pipeline, PipelineConfig
-from pipeline.core.engine_client import ProcessEngine
+from pipeline.engine.client import ProcessEngine
 
 pytest.importorskip("uvloop")
 

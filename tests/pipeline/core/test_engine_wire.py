@@ -7,9 +7,9 @@ import pickle
 import pytest
 import torch
 
-from pipeline.core.engine_arena import EngineArena
-from pipeline.core.engine_images import ImagePlan
-from pipeline.core.engine_wire import DECODER, ENCODER, FrameReader, Step, decode_input, encode_input, frame
+from pipeline.engine.arena import EngineArena
+from pipeline.engine.images import ImagePlan
+from pipeline.engine.wire import DECODER, ENCODER, FrameReader, Step, decode_input, encode_input, frame
 from pipeline.types import GrammarSpec
 from sampling.inputs import EngineInput, ImageKey, SeqOutput
 from sampling.logits_process import TokenLogprob

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import PipelineConfig
 from pipeline.core.pipeline import Pipeline
-from pipeline.core.remote_grammar import RemoteGrammarStage
+from pipeline.engine.remote_grammar import RemoteGrammarStage
 from pipeline.errors import GrammarError, RequestCancelled
 from stages.grammar import GrammarStage
 from tests.grammars import GatedCompiler

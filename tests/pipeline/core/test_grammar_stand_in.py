@@ -19,7 +19,7 @@ from pipeline.core.pipeline import Pipeline
 from pipeline.errors import RequestCancelled
 from pipeline.types import GrammarSpec
 from stages.grammar import CompiledConstraint
-from stages.grammar_types import FIRST_USE
+from stages.grammar.types import FIRST_USE
 from tests.grammars import GatedCompiler
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released

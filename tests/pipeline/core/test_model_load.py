@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from pipeline.config import PipelineConfig
-from pipeline.core import engine_factory
 from pipeline.core.model_load import load_model, open_model
+from pipeline.engine import factory
 
 
 def test_the_load_builds_the_token_table_replies_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,13 +17,13 @@ def test_the_load_builds_the_token_table_replies_read(monkeypatch: pytest.Monkey
     tokenizer info and the table, about 1 s) while it loads, so the first reply does not build it on
     the event loop."""
     built: list[threading.Thread] = []
-    original = engine_factory.TokenBytes.from_tokenizer
+    original = factory.TokenBytes.from_tokenizer
 
     def recorded(*args: Any) -> Any:
         built.append(threading.current_thread())
         return original(*args)
 
-    monkeypatch.setattr(engine_factory.TokenBytes, "from_tokenizer", recorded)
+    monkeypatch.setattr(factory.TokenBytes, "from_tokenizer", recorded)
     config = PipelineConfig(engine_mode="process")
     opened = open_model(config, with_engine=True, tracer=None)
     assert opened.engine_process is not None and not built  # opening builds nothing yet

@@ -14,7 +14,7 @@ from pipeline.protocol.request_bodies import ChatCompletionRequest
 from pipeline.protocol.tool_formats import FORMATS
 from pipeline.protocol.tools import plan_tools
 from pipeline.protocol.wire import decode_body
-from stages.answer_check import xgrammar_acceptor
+from stages.grammar.answer_check import xgrammar_acceptor
 
 TIME = {
     "type": "object",
