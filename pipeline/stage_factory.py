@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pipeline.config import PipelineConfig
-from sampling.llguidance_backend import LLGuidanceBackend
+from sampling.guided.llguidance.backend import LLGuidanceBackend
 from stages.decode import DecodeStage
 from stages.encoder_cache import EncoderCache
 from stages.fetch import FetchStage

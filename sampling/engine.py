@@ -21,7 +21,7 @@ import torch
 
 from sampling.ahead import OneStepAhead
 from sampling.detokenizer import TokenBytes
-from sampling.guided import GuidedDecoder
+from sampling.guided.decoder import GuidedDecoder
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import BlockAllocator
 from sampling.masked_sampler import MaskedSampler

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sampling.guided import GuidedDecoder
+from sampling.guided.decoder import GuidedDecoder
 from sampling.logits_process import StepLogprobs, adjust
 from sampling.sampler import greedy_ids, sample
 from sampling.sequence import Sequence

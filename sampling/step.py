@@ -2,7 +2,7 @@
 
 ``run()`` is a whole step of the synchronous loop: ``launch()`` runs the forward (on CUDA: queues its
 kernels) while the fill thread fills the step's grammar bitmask (``fill()``; the matchers, the fill
-thread and a compile still running: sampling/step_grammar.py); ``sample()`` applies the
+thread and a compile still running: sampling/guided/step_grammar.py); ``sample()`` applies the
 mask to the guided rows and samples (sampling/masked_sampler.py); the ids come back to the host
 (``start_copy()``); ``commit()`` accepts them into the matchers in one batched call and advances the
 sequences (sampling/request_table.py); ``record()`` keeps the step's timing. The one-step-ahead loop
@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from sampling.guided import GrammarUnavailable, refusal
+from sampling.guided.decoder import GrammarUnavailable, refusal
+from sampling.guided.step_grammar import StepGrammar
 from sampling.inputs import SeqOutput
 from sampling.logits_process import StepLogprobs, TokenLogprob
 from sampling.masked_sampler import MaskedSampler
@@ -40,7 +41,6 @@ from sampling.prefill_chunks import prefill_forward
 from sampling.request_table import RequestTable
 from sampling.scheduler import DecodeStep, PrefillBatch, PrefillStep, Scheduler
 from sampling.sequence import SeqState, Sequence
-from sampling.step_grammar import StepGrammar
 from sampling.timeline import StepTiming
 
 __all__ = ["StepParts"]

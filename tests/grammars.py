@@ -11,7 +11,7 @@ from typing import Any
 import xgrammar as xgr
 
 from pipeline.types import GrammarSpec
-from sampling.llguidance_matcher import LLGrammar, new_matcher
+from sampling.guided.llguidance.matcher import LLGrammar, new_matcher
 from stages.grammar.backends import Compiled
 
 EOS = 2  # </s> of the embedded tokenizer

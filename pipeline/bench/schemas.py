@@ -34,7 +34,7 @@ from pipeline.errors import PipelineError
 from pipeline.stage_factory import build_grammar_stage
 from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
-from sampling.guided import GuidedDecoder, new_matcher
+from sampling.guided.decoder import GuidedDecoder, new_matcher
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from stages.grammar.backends import Compiled

@@ -4,7 +4,7 @@ plus the answer check of the same spec; and our own error messages for both.
 - xgrammar compiles every kind; JSON without free whitespace (``any_whitespace=False``).
 - llguidance compiles JSON schemas, regexes, choices, EBNF grammars (converted to Lark), Lark
   grammars (vLLM's ``guided_grammar`` takes Lark) and the structural tags Lark says exactly
-  (``sampling.llguidance_tags``); ``stages.grammar.dispatch`` decides which backend a spec goes to.
+  (``sampling.guided.llguidance.tags``); ``stages.grammar.dispatch`` decides which backend a spec goes to.
 - ``XGrammarCompiler.parse`` checks an EBNF grammar or a structural tag without the tokenizer
   (milliseconds, no compile slot), so a malformed one is refused at once.
 
@@ -26,9 +26,9 @@ import xgrammar as xgr
 
 from pipeline.errors import GrammarError, PipelineError, UnsupportedSchemaError
 from pipeline.types import GrammarSpec
-from sampling.llguidance_backend import LLGuidanceBackend
-from sampling.llguidance_matcher import INTERNAL_FAILURE, LLGrammar, clean_library_message
-from sampling.llguidance_schema import close_schema
+from sampling.guided.llguidance.backend import LLGuidanceBackend
+from sampling.guided.llguidance.matcher import INTERNAL_FAILURE, LLGrammar, clean_library_message
+from sampling.guided.llguidance.schema import close_schema
 from stages.grammar.answer_check import AnswerCheck, build_answer_check, xgrammar_acceptor
 from stages.grammar.dispatch import is_lark
 from stages.grammar.empty_schemas import empty_schema_reason

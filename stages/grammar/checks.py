@@ -18,7 +18,7 @@ import xgrammar as xgr
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from sampling.llguidance_backend import LLGuidanceBackend
+from sampling.guided.llguidance.backend import LLGuidanceBackend
 from stages.grammar.answer_check import AnswerCheck, build_answer_check
 from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler, refuse_without_values
 from stages.grammar.dispatch import is_lark

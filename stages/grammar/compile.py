@@ -15,7 +15,7 @@ import anyio
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from sampling.llguidance_matcher import INTERNAL_FAILURE
+from sampling.guided.llguidance.matcher import INTERNAL_FAILURE
 from stages.grammar.backends import Compiled, LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar.limits import GrammarLimits, check_limits
 from stages.grammar.native_calls import release_free_memory, run_on_large_stack

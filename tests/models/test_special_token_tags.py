@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from sampling.llguidance_backend import LLGuidanceBackend
-from sampling.llguidance_matcher import LLGrammar, new_matcher
-from sampling.llguidance_tags import NotTranslatable, structural_tag_to_lark
+from sampling.guided.llguidance.backend import LLGuidanceBackend
+from sampling.guided.llguidance.matcher import LLGrammar, new_matcher
+from sampling.guided.llguidance.tags import NotTranslatable, structural_tag_to_lark
 from tests.models.tool_requests import WEATHER, FamilyDir
 
 CALL = {"type": "json_schema", "json_schema": WEATHER}

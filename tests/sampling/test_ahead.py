@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 
 from sampling.engine import LLMEngine
-from sampling.guided import GuidedDecoder
+from sampling.guided.decoder import GuidedDecoder
+from sampling.guided.step_grammar import StepGrammar
 from sampling.inputs import SeqOutput
 from sampling.sequence import SeqState, Sequence
-from sampling.step_grammar import StepGrammar
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import SCHEMA, SEEDED, add, prompt, run_all
 

@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
-from sampling.guided import GuidedDecoder
+from sampling.guided.decoder import GuidedDecoder
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import SCHEMA, SEEDED, add, prompt, run_all
 

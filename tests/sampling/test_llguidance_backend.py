@@ -18,8 +18,8 @@ import torch
 import xgrammar as xgr
 
 from pipeline.errors import GrammarError, UnsupportedSchemaError
-from sampling.llguidance_backend import LLGuidanceBackend
-from sampling.llguidance_matcher import BitmaskFiller, LLGrammar, LLGuidanceMatcher, batch_accept, new_matcher
+from sampling.guided.llguidance.backend import LLGuidanceBackend
+from sampling.guided.llguidance.matcher import BitmaskFiller, LLGrammar, LLGuidanceMatcher, batch_accept, new_matcher
 
 STOP = 2  # tekken's </s>
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from sampling.guided import new_matcher
+from sampling.guided.decoder import new_matcher
 from tests.sampling.conftest import NewEngine
 from tests.sampling.helpers import SCHEMA, add, prompt, run_all
 

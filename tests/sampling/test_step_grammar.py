@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from pipeline.types import GrammarSpec
-from sampling.guided import GuidedDecoder
+from sampling.guided.decoder import GuidedDecoder
+from sampling.guided.step_grammar import StepGrammar
 from sampling.params import SamplingParams
 from sampling.sequence import Sequence
-from sampling.step_grammar import StepGrammar
 from sampling.timeline import StepTiming
 from vision.checkpoint import Checkpoint
 

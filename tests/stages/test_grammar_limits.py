@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.errors import GrammarError
 from pipeline.types import GrammarSpec
-from sampling.llguidance_matcher import INTERNAL_FAILURE
+from sampling.guided.llguidance.matcher import INTERNAL_FAILURE
 from stages.grammar import GrammarStage
 from stages.grammar.backends import Compiled, clean_message
 from stages.grammar.limits import GrammarLimits, check_limits, check_size

@@ -16,7 +16,7 @@ from pipeline.config import PipelineConfig
 from pipeline.engine.grammars import EngineGrammars
 from pipeline.engine.wire import GrammarsIdle, GrammarVerdict
 from pipeline.types import GrammarSpec
-from sampling.llguidance_matcher import LLGrammar
+from sampling.guided.llguidance.matcher import LLGrammar
 from stages.grammar.types import FIRST_USE
 from vision.checkpoint import Checkpoint
 

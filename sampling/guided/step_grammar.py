@@ -19,7 +19,7 @@ import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from sampling.guided import GuidedDecoder, new_matcher, resolve_grammar
+from sampling.guided.decoder import GuidedDecoder, new_matcher, resolve_grammar
 from sampling.masked_sampler import is_lazy
 from sampling.sequence import SeqState, Sequence
 from sampling.timeline import StepTiming
@@ -83,7 +83,7 @@ class StepGrammar:
     def ensure_matcher(self, seq: Sequence) -> None:
         """A matcher for ``seq`` once its grammar holds, advanced over what it wrote under the grammar
         (after a preemption); none before its trigger token. A sequence whose grammar still compiles
-        samples in no step (``_fill_when_compiled``), so the compile has ended here (sampling/guided.py,
+        samples in no step (``_fill_when_compiled``), so the compile has ended here (sampling/guided/decoder.py,
         resolve_grammar, which would wait for it otherwise).
 
         :raises GrammarUnavailable: its grammar did not compile."""

@@ -2,7 +2,7 @@
 
 xgrammar's strict mode gives objects with ``properties`` no undeclared property and arrays with
 ``prefixItems`` no undeclared item; llguidance follows the schema as written, so a strict schema is
-closed here first, the same way, before llguidance compiles it (sampling/llguidance_backend.py).
+closed here first, the same way, before llguidance compiles it (sampling/guided/llguidance/backend.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from sampling import llguidance_matcher
-from sampling.llguidance_matcher import LLGrammar, LLGuidanceMatcher
+from sampling.guided.llguidance import matcher as llguidance_matcher
+from sampling.guided.llguidance.matcher import LLGrammar, LLGuidanceMatcher
 
 __all__ = ["GrammarUnavailable", "GuidedDecoder", "new_matcher", "refusal", "resolve_grammar"]
 

@@ -24,7 +24,7 @@ import llguidance
 
 __all__ = ["NotTranslatable", "structural_tag_to_lark"]
 
-# the JSON layout of xgrammar's any_whitespace=False (sampling/llguidance_backend.py's JSON options)
+# the JSON layout of xgrammar's any_whitespace=False (sampling/guided/llguidance/backend.py's JSON options)
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _REPEATS = {"optional": "?", "plus": "+", "star": "*"}
 

@@ -4,7 +4,7 @@ What matches xgrammar on purpose: the bitmask is xgrammar's (int32 ``[rows, ceil
 of word w allows token 32 w + i), so the engine's mask application is shared; the stop token is allowed
 exactly when the grammar can end, and after it the matcher is terminated; a rejected token leaves the
 matcher as it was (llguidance's own ``consume_token`` would poison it). Grammars are compiled in
-sampling/llguidance_backend.py; this is the half the engine needs, no tokenizer included.
+sampling/guided/llguidance/backend.py; this is the half the engine needs, no tokenizer included.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ milliseconds. What matches xgrammar on purpose:
 - JSON is compact: no free whitespace, ``", "`` between items and ``": "`` after keys (xgrammar's
   ``any_whitespace=False`` layout); properties come in schema order.
 - ``strict`` closes objects that have ``properties`` and arrays that have ``prefixItems`` (xgrammar's
-  ``strict_mode``, sampling/llguidance_schema.py) and refuses unsupported keywords; ``strict=False``
+  ``strict_mode``, sampling/guided/llguidance/schema.py) and refuses unsupported keywords; ``strict=False``
   ignores them (``LLGrammar.warnings``).
-- The matchers, their bitmask and their stop token behave as xgrammar's (sampling/llguidance_matcher.py).
+- The matchers, their bitmask and their stop token behave as xgrammar's (sampling/guided/llguidance/matcher.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import llguidance.hf
 import torch
 
 from pipeline.errors import GrammarError, UnsupportedSchemaError
-from sampling.llguidance_matcher import (
+from sampling.guided.llguidance.matcher import (
     BitmaskFiller,
     LLGrammar,
     LLGuidanceMatcher,
@@ -33,8 +33,8 @@ from sampling.llguidance_matcher import (
     clean_message,
     new_matcher,
 )
-from sampling.llguidance_schema import close_schema
-from sampling.llguidance_tags import NotTranslatable, structural_tag_to_lark
+from sampling.guided.llguidance.schema import close_schema
+from sampling.guided.llguidance.tags import NotTranslatable, structural_tag_to_lark
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -217,7 +217,7 @@ class LLGuidanceBackend:
         return self._build("grammar", lark, field=field)
 
     def compile_structural_tag(self, tag: dict[str, Any], *, field: str | None = None) -> LLGrammar:
-        """xgrammar 0.2's structural tag, where Lark says it exactly (``sampling.llguidance_tags``).
+        """xgrammar 0.2's structural tag, where Lark says it exactly (``sampling.guided.llguidance.tags``).
 
         :raises UnsupportedSchemaError: a format with no translation (xgrammar may compile it).
         :raises GrammarError: the translation does not compile.
