@@ -9,11 +9,11 @@ bytes. The folder is then loaded by the same code that loads a user's checkpoint
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vision.written_once import written_once
 
 __all__ = [
     "DEFAULT_SEED",
@@ -162,21 +162,8 @@ def write_pixtral_checkpoint(
 def ensure_default_checkpoint(cache_dir: Path, *, seed: int = DEFAULT_SEED) -> Path:
     """Return the embedded checkpoint folder under ``cache_dir``, writing it once if missing.
 
-    The folder is built beside its final place and renamed in, so concurrent processes and
+    The folder is built aside and renamed in (``vision.written_once``): concurrent processes and
     interrupted writes never leave a half-written checkpoint behind.
     """
     target = Path(cache_dir) / f"embedded-pixtral-tiny-s{seed}-v{_FORMAT_VERSION}"
-    if (target / "EMBEDDED_DEFAULT").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        write_default_checkpoint(staging, seed=seed)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "EMBEDDED_DEFAULT").exists():
-                raise  # not a lost race with another writer: a real failure
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return written_once(target, "EMBEDDED_DEFAULT", lambda folder: write_default_checkpoint(folder, seed=seed))

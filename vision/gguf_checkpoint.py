@@ -11,10 +11,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from vision.written_once import written_once
 
 __all__ = ["GGUF_SUFFIX", "convert_gguf", "gguf_checkpoint"]
 
@@ -27,8 +26,8 @@ def gguf_checkpoint(file: Path, cache_dir: Path) -> Path:
     """The checkpoint folder converted from the GGUF ``file``, written once into ``cache_dir``.
 
     The folder is keyed by the file's name, size and modification time (a changed file is converted
-    again, without reading its gigabytes to hash them), and built beside its final place and renamed
-    in, so concurrent processes and interrupted writes never leave a half-written checkpoint behind.
+    again, without reading its gigabytes to hash them), and built aside and renamed in
+    (``vision.written_once``).
 
     :raises ValueError: transformers cannot read the file, or not its architecture (the message names it).
     """
@@ -36,21 +35,12 @@ def gguf_checkpoint(file: Path, cache_dir: Path) -> Path:
     source = {"file": file.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "version": _FORMAT_VERSION}
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     target = Path(cache_dir) / "gguf" / f"{file.stem}-{key}"
-    if (target / _MARKER).exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        convert_gguf(file, staging)
-        (staging / _MARKER).write_text(json.dumps(source) + "\n")
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / _MARKER).exists():
-                raise  # not a lost race with another writer: a real failure
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    def write(folder: Path) -> None:
+        convert_gguf(file, folder)
+        (folder / _MARKER).write_text(json.dumps(source) + "\n")
+
+    return written_once(target, _MARKER, write)
 
 
 def convert_gguf(file: Path, folder: Path) -> None:
