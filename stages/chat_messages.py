@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.errors import InvalidRequest
 from pipeline.types import ImagePart, Message
 from stages.chat_format import ContentFormat
+from stages.tokens import single_token_id
 from vision.image_text import ImageText
 from vision.preprocess import ImageTokenIds
 
@@ -28,11 +29,6 @@ def _token_text(tokenizer: Any, token_id: int) -> str | None:
     return text if isinstance(text, str) and text else None
 
 
-def _is_single_token(tokenizer: Any, text: str) -> bool:
-    token = tokenizer.convert_tokens_to_ids(text)
-    return token is not None and token != tokenizer.unk_token_id
-
-
 def image_placeholder_of(tokenizer: Any, image_ids: ImageTokenIds | None, image_text: ImageText | None) -> str | None:
     """What the model's own template writes for one image: Gemma 3's ``<start_of_image>``, Qwen-VL's
     ``<|vision_start|><|image_pad|><|vision_end|>``, else the image token (``[IMG]``, ``<image>``);
@@ -42,7 +38,7 @@ def image_placeholder_of(tokenizer: Any, image_ids: ImageTokenIds | None, image_
     if image_ids is None:
         return None
     token = _token_text(tokenizer, image_ids.image)
-    if token is not None and all(_is_single_token(tokenizer, wrap) for wrap in _VISION_WRAP):
+    if token is not None and all(single_token_id(tokenizer, wrap) is not None for wrap in _VISION_WRAP):
         return f"{_VISION_WRAP[0]}{token}{_VISION_WRAP[1]}"
     return token
 

@@ -22,21 +22,16 @@ from stages.chat_format import ContentFormat, ContentFormats
 from stages.chat_messages import image_placeholder_of, to_template_messages
 from stages.offload import Offload
 from stages.template_options import reserved_template_names, template_kwargs, truncate_prompt
+from stages.tokens import single_token_id, with_bos
 from vision.image_text import ImageText
 from vision.preprocess import ImageGrid, ImageTokenIds, expand_image_tokens
 
-__all__ = ["TemplateStage", "single_token_id"]
+__all__ = ["TemplateStage"]
 
 # A normalizer may shrink a text before it is split into tokens (NFC composes up to three code
 # points into one): the character bound on a prompt leaves this much room for it.
 _SHRINK_ROOM = 4
 _DEFAULTS = TemplateOptions()
-
-
-def single_token_id(tokenizer: Any, text: str) -> int | None:
-    """The id of ``tokenizer``'s one token whose text is ``text``; None when it writes it in several."""
-    token = tokenizer.convert_tokens_to_ids(text)
-    return None if token is None or token == tokenizer.unk_token_id else int(token)
 
 
 class TemplateStage:
@@ -154,10 +149,8 @@ class TemplateStage:
                 ids = self._expanded(self.image_text.expand_ids, ids, images, self.tokenizer, where=where)
         elif prompt is not None:
             self._check_chars(prompt, where)
-            ids = self.tokenizer.encode(self._expand_text(prompt, images, where), add_special_tokens=True)
-            bos = self.tokenizer.bos_token_id
-            if bos is not None and ids[:1] != [bos]:  # as the chat template starts: some tokenizers add none
-                ids.insert(0, bos)
+            text = self._expand_text(prompt, images, where)
+            ids = with_bos(self.tokenizer, self.tokenizer.encode(text, add_special_tokens=True))
         else:
             text = self.render_text(messages, tools, options)
             self._check_chars(text, where)

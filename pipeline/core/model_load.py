@@ -22,7 +22,7 @@ from pipeline.protocol.tool_formats import ToolFormat, tool_format
 from pipeline.stage_factory import build_grammar_stage
 from sampling.families import family_of
 from stages.grammar import GrammarStage
-from stages.template import single_token_id
+from stages.tokens import single_token_id
 from vision.checkpoint import Checkpoint, open_checkpoint
 from vision.encoder import VisionEncoder
 

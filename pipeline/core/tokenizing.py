@@ -13,6 +13,7 @@ import anyio
 
 from pipeline.protocol.tokenize import TokenizeJob
 from stages.template import TemplateStage
+from stages.tokens import with_bos
 
 __all__ = ["detokenize", "token_strings", "tokenize"]
 
@@ -25,10 +26,7 @@ async def tokenize(template: TemplateStage, job: TokenizeJob) -> list[int]:
         chat = job.chat
         tools = chat.tools.tools if chat.tools is not None else ()
         ids = await template.run(chat.messages, [], tools, None, "messages", chat.template)
-        bos = tokenizer.bos_token_id
-        if job.add_special_tokens and bos is not None and ids[:1] != [bos]:
-            ids.insert(0, bos)
-        return ids
+        return with_bos(tokenizer, ids) if job.add_special_tokens else ids
     assert job.prompt is not None
     if job.add_special_tokens:  # exactly what /v1/completions prefills for this prompt
         return await template.run((), [], (), job.prompt, "prompt")

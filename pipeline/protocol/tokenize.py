@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from pipeline.errors import InvalidRequest
 from pipeline.protocol.request import ChatRequest, check_model
-from pipeline.protocol.request_bodies import ChatMessage, Tool
+from pipeline.protocol.request_bodies import ChatCompletionRequest, ChatMessage, Tool
 from pipeline.protocol.wire import decode_body
 
 __all__ = [
@@ -91,7 +91,7 @@ _CHAT_FIELDS = (
 
 
 def parse_tokenize(body: bytes | Any, *, model_names: tuple[str, ...] | None, parse_chat: Any) -> TokenizeJob:
-    """``body`` as a job; ``parse_chat``: the pipeline's chat admission (a dict in, a ChatRequest out).
+    """``body`` as a job; ``parse_chat``: the pipeline's chat admission (a chat body in, a ChatRequest out).
 
     :raises InvalidRequest: naming the offending field. :raises ModelNotFound: (404).
     """
@@ -106,12 +106,12 @@ def parse_tokenize(body: bytes | Any, *, model_names: tuple[str, ...] | None, pa
                 raise _fail(f"'{name}' goes with 'messages', not 'prompt'", name)
         special = typed.add_special_tokens is not False
         return TokenizeJob(typed.prompt, None, special, strs)
-    chat_body = {name: value for name in _CHAT_FIELDS if (value := getattr(typed, name)) is not None}
-    if typed.add_generation_prompt is None and not typed.continue_final_message:
-        chat_body["add_generation_prompt"] = True
-    chat: ChatRequest = parse_chat(msgspec.to_builtins(chat_body))
-    for image in chat.images:
-        raise _fail("images are not tokenized here: their token count depends on the decoded image", image.field)
+    # already decoded: handed to the chat admission as its body type, not written back to JSON first
+    chat: ChatRequest = parse_chat(ChatCompletionRequest(**{name: getattr(typed, name) for name in _CHAT_FIELDS}))
+    if chat.images:
+        raise _fail(
+            "images are not tokenized here: their token count depends on the decoded image", chat.images[0].field
+        )
     return TokenizeJob(None, chat, bool(typed.add_special_tokens), strs)
 
 
