@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stages.reasoning import PARSERS as REASONING_PARSERS
+
 if TYPE_CHECKING:
     from pipeline.api.connections import ConnectionLimits
     from pipeline.config import PipelineConfig
@@ -85,17 +87,24 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         model=args.model,
         served_model_names=tuple(args.served_model_name or ()),
         grammar_backend=args.grammar_backend,
+        forced_tokens=args.forced_tokens,
         grammar_abandon_on_shutdown=True,  # exit within --shutdown-timeout, whatever still compiles
         device=args.device,
+        compile_model={None: "auto", True: "on", False: "off"}[args.compile],
         allow_private_networks=args.allow_private_networks,
         inline_preparation=args.inline_preparation,
         max_pending_requests=args.max_pending,
         stage_queue_size=args.stage_queue_size,
         decode_threads=args.decode_threads,
         template_threads=args.template_threads,
+        max_messages=args.max_messages,
+        max_content_parts=args.max_content_parts,
+        max_tools=args.max_tools,
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         trust_request_chat_template=args.trust_request_chat_template,
+        allow_control_tokens_in_content=args.allow_control_tokens_in_content,
+        reasoning_parser=args.reasoning_parser,
         generation_config=args.generation_config,
         preparation_mode=args.preparation_mode,
         prep_workers=args.prep_workers,
@@ -111,6 +120,8 @@ def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
         reserved_connections=args.reserved_connections,
         header_timeout_s=args.header_timeout,
         keepalive_timeout_s=args.keepalive_timeout,
+        body_timeout_s=args.body_timeout,
+        body_timeout_rate=args.body_timeout_rate,
     )
 
 
@@ -130,7 +141,12 @@ async def serve(args: argparse.Namespace) -> None:
     tracer = Tracer() if args.trace else None
     async with Pipeline(config, tracer=tracer) as pipe:
         freeze_heap()  # the model, the tokenizer and the stages stay: no collection walks them again
-        app = create_app(pipe, api_key=resolve_api_key(args.api_key), protect_all=args.api_key_everywhere)
+        app = create_app(
+            pipe,
+            max_inflating_bytes=round(args.max_inflating_mb * 1024 * 1024),
+            api_key=resolve_api_key(args.api_key),
+            protect_all=args.api_key_everywhere,
+        )
         defaults = pipe.sampling_defaults.as_dict()
         print(
             f"chat template: content as {pipe.preparation.template.content_format}; "
@@ -192,6 +208,7 @@ def _write_checkpoint(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.api.connections import ConnectionLimits
+    from pipeline.api.inflate import MAX_INFLATING_BYTES
 
     parser = argparse.ArgumentParser(prog="python -m pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,10 +228,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--device", default=_default("device"), help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     s.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the decode step's model forward with torch.compile (inductor; kernels cached under the "
+        "cache dir between starts); default: auto, which compiles nowhere yet (docs/benchmarks.md)",
+    )
+    s.add_argument(
         "--grammar-backend",
         default=_default("grammar_backend"),
         choices=["auto", "xgrammar", "llguidance"],
         help="structured-output backend; auto picks per request (default: %(default)s)",
+    )
+    s.add_argument(
+        "--forced-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=_default("forced_tokens"),
+        help="write what a constraint forces (keys, quotes, separators) without a decode step per token (default: on)",
     )
     s.add_argument("--allow-private-networks", action="store_true")
     s.add_argument(
@@ -251,6 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         default=_default("template_threads"),
         help="chat template + tokenize threads (default: %(default)s)",
     )
+    for name, what in (
+        ("max_messages", "messages in one chat request"),
+        ("max_content_parts", "content parts and earlier tool calls of one request's messages together"),
+        ("max_tools", "tools in one chat request"),
+    ):
+        s.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=_default(name),
+            help=f"{what}; more is a 400 before any rendering (default: %(default)s)",
+        )
     s.add_argument(
         "--chat-template",
         default=_default("chat_template"),
@@ -260,6 +301,19 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-request-chat-template",
         action="store_true",
         help="let a request bring its own chat template ('chat_template'); off: such a request is a 400",
+    )
+    s.add_argument(
+        "--allow-control-tokens-in-content",
+        action="store_true",
+        help="encode control-token text in messages and tools ('[INST]', '<|im_end|>') as the tokens it "
+        "spells, as transformers and vLLM do; off: as text, so only the chat template writes them",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        default=_default("reasoning_parser"),
+        choices=["auto", "none", *REASONING_PARSERS],
+        help="how a reasoning model's thinking is told from its answer (returned as reasoning_content, "
+        "constraints applied after it): auto picks the model's own (default: %(default)s)",
     )
     s.add_argument(
         "--chat-template-content-format",
@@ -299,6 +353,26 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=limits.keepalive_timeout_s,
         help="seconds an idle keep-alive connection stays open (default: %(default)s)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout_s,
+        help="seconds for a request's body to arrive whole, a second more per --body-timeout-rate bytes "
+        "received; then 408 and close (default: %(default)s)",
+    )
+    s.add_argument(
+        "--body-timeout-rate",
+        type=float,
+        default=limits.body_timeout_rate,
+        help="bytes of a body that earn it a second more (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-inflating-mb",
+        type=float,
+        default=MAX_INFLATING_BYTES / (1024 * 1024),
+        help="MiB of compressed request bodies held inflated at once, across requests; past it a 503 "
+        "(default: %(default)s)",
     )
     s.add_argument("--inline-preparation", action="store_true", help="benchmark baseline: prepare on the event loop")
     s.add_argument(

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stages.reasoning import PARSERS as REASONING_PARSERS
+
 __all__ = ["PipelineConfig", "default_cache_dir"]
 
 
@@ -31,6 +33,10 @@ class PipelineConfig:
     # class over our paged attention; "native", the hand-written decoder (Mistral/Llama with default
     # RoPE); "auto", native where it computes the same model, else transformers
     model_impl: str = "auto"
+    # The decode step's model forward compiled with torch.compile (sampling/compiled.py): "on", "off",
+    # or "auto" (on where it was measured to pay: nowhere yet; on this CPU it did not, docs/benchmarks.md).
+    # Compiled kernels are kept under cache_dir/inductor ($TORCHINDUCTOR_CACHE_DIR wins) between starts.
+    compile_model: str = "auto"
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     # -- admission --
@@ -41,6 +47,18 @@ class PipelineConfig:
     max_pending_requests: int = 256
     retry_after_s: float = 1.0
     stage_queue_size: int = 16  # inbox of every stage after the first
+    # What one chat request may hold, counted before anything renders or compiles it (a 400 naming the
+    # field beyond it; pipeline/protocol/request_limits.py). OpenAI's bounds: 2,048 messages, 128 tools.
+    max_messages: int = 2048
+    max_content_parts: int = 8192  # content parts and earlier tool calls of every message together
+    max_tools: int = 128
+    # A request whose conversation or prompt is larger than this (characters of text, each message and
+    # content part counting 256: about 0.1 s of rendering and tokenizing) is prepared in the template
+    # stage's large lane, a thread of its own, so that small requests never wait behind it; at most
+    # max_large_requests of them are in preparation at once (beyond: Overloaded, 429). A 4.95 M-character
+    # message (under the prompt's text bound, so it reaches the tokenizer) held a template thread 3.2-3.7 s.
+    template_large_request_chars: int = 256 * 1024
+    max_large_requests: int = 8
 
     # -- fetch --
     allow_private_networks: bool = False
@@ -50,6 +68,9 @@ class PipelineConfig:
     max_image_bytes: int = 20 * 1024 * 1024
     max_redirects: int = 3
     fetch_concurrency: int = 32
+    # Of those, what one request's images may hold at once (at most fetch_concurrency): its other images
+    # wait for its own, so a few requests with slow URLs cannot take every slot from the rest.
+    fetch_concurrency_per_request: int = 4
 
     # Run preparation work inline on the event loop: the naive baseline of the health benchmark,
     # never a serving setting.
@@ -79,10 +100,19 @@ class PipelineConfig:
     chat_template_content_format: str = "auto"
     # A Jinja chat template (its text, or the path of a file holding it) used instead of the tokenizer's
     chat_template: str | None = None
+    # Control-token text ("[INST]", "<|im_end|>", ...) in messages, tool results, tools and template
+    # variables is encoded as text by default, so that only the chat template writes control tokens and
+    # no message can forge a turn (stages/control_tokens.py). True encodes it as the tokens it spells,
+    # as transformers and vLLM do by default.
+    allow_control_tokens_in_content: bool = False
     # Whether a request may bring its own chat template ("chat_template"). Off by default, as in vLLM
     # (--trust-request-chat-template): the template runs in transformers' Jinja sandbox, but nothing
     # bounds its loops, and one that runs for ever holds a template thread for ever.
     trust_request_chat_template: bool = False
+    # How a reasoning model's thinking is told from its answer (stages/reasoning.py): "auto" (the
+    # parser its tokenizer and chat template call for, none for a model that does not reason), a
+    # parser's name ("deepseek_r1", "qwen3"), or "none" (the whole text is the answer, as before)
+    reasoning_parser: str = "auto"
     # The checkpoint's generation_config.json sampling defaults (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) apply to requests that leave them unset: "auto" (vLLM's
     # default), "none" (OpenAI's defaults), or a folder holding a generation_config.json
@@ -209,6 +239,10 @@ class PipelineConfig:
     # False: the synchronous loop. Off: on the 2-core CPU it does not pay (bench ahead, 3 runs of 7
     # pairs: median TPOT ratio 0.94-1.16 at batch 8 and 32, 0.98-1.13 at batch 1); on a GPU, try it.
     engine_one_step_ahead: bool = False
+    # Write what a request's grammar forces (keys, quotes, separators) without a decode step per token:
+    # appended after the sampled token and run as one extend in the next step (sampling/guided/forced.py).
+    # The synchronous loop only (one step ahead, the next step is launched before they are known).
+    forced_tokens: bool = True
     # Reuse the KV blocks of earlier prompts with the same prefix (sampling/prefix_cache.py); images
     # are keyed by content. False: every prompt is prefilled in full (n > 1 still shares its prompt).
     prefix_caching: bool = True
@@ -222,11 +256,17 @@ class PipelineConfig:
             "stage_queue_size": self.stage_queue_size,
             "max_image_bytes": self.max_image_bytes,
             "fetch_concurrency": self.fetch_concurrency,
+            "fetch_concurrency_per_request": self.fetch_concurrency_per_request,
             "max_image_pixels": self.max_image_pixels,
             "decode_threads": self.decode_threads,
             "max_images_per_request": self.max_images_per_request,
             "max_prompt_tokens": self.max_prompt_tokens,
             "template_threads": self.template_threads,
+            "max_messages": self.max_messages,
+            "max_content_parts": self.max_content_parts,
+            "max_tools": self.max_tools,
+            "template_large_request_chars": self.template_large_request_chars,
+            "max_large_requests": self.max_large_requests,
             "vision_max_batch": self.vision_max_batch,
             "vision_encode_threads": self.vision_encode_threads,
             "grammar_cache_bytes": self.grammar_cache_bytes,
@@ -298,10 +338,17 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.model_impl not in ("auto", "transformers", "native"):
             raise ValueError(f"PipelineConfig.model_impl must be auto, transformers or native, got {self.model_impl!r}")
+        if self.compile_model not in ("auto", "on", "off"):
+            raise ValueError(f"PipelineConfig.compile_model must be auto, on or off, got {self.compile_model!r}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(
                 "PipelineConfig.chat_template_content_format must be auto, string or openai, "
                 f"got {self.chat_template_content_format!r}"
+            )
+        if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
+            raise ValueError(
+                f"PipelineConfig.reasoning_parser must be auto, none or one of {sorted(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("PipelineConfig.num_kv_blocks must be positive")

@@ -22,6 +22,7 @@ from stages.grammar import GrammarStage
 from stages.grammar.backends import LLGuidanceCompiler, XGrammarCompiler
 from stages.grammar.limits import GrammarLimits
 from stages.process_pool import ImagePool
+from stages.reasoning import ReasoningFormat, detect_reasoning_parser, reasoning_format
 from stages.template import TemplateStage
 from stages.vision_encode import VisionEncodeStage
 from vision.checkpoint import Checkpoint
@@ -93,6 +94,7 @@ def build_fetch_stage(cfg: PipelineConfig) -> FetchStage:
     return FetchStage(
         max_bytes=cfg.max_image_bytes,
         concurrency=cfg.fetch_concurrency,
+        per_request=cfg.fetch_concurrency_per_request,
         connect_timeout_s=cfg.fetch_connect_timeout_s,
         total_timeout_s=cfg.fetch_total_timeout_s,
         max_redirects=cfg.max_redirects,
@@ -153,6 +155,23 @@ def chat_template_text(given: str | None) -> str | None:
         raise ValueError(f"the chat template file {given!r} cannot be read: {exc.strerror or exc}") from None
 
 
+def build_reasoning_format(cfg: PipelineConfig, tokenizer: Any) -> ReasoningFormat | None:
+    """How the model's reasoning is told from its answer: ``cfg.reasoning_parser``, or ("auto") the
+    parser its tokenizer and chat template call for; None: the whole text is the answer.
+
+    :raises ValueError: a parser the model's tokenizer cannot write (its tags are not single tokens).
+    """
+    name = cfg.reasoning_parser
+    if name == "auto":
+        try:
+            template = tokenizer.get_chat_template(chat_template_text(cfg.chat_template))
+        except (ValueError, AttributeError):  # no template (raw prompts only), or no HF tokenizer
+            return None
+        found = detect_reasoning_parser(tokenizer, str(template))
+        return reasoning_format(found, tokenizer) if found is not None else None
+    return None if name == "none" else reasoning_format(name, tokenizer)
+
+
 def build_template_stage(
     cfg: PipelineConfig, tokenizer: Any, image_token_id: int, image_text: ImageText | None = None
 ) -> TemplateStage:
@@ -167,6 +186,8 @@ def build_template_stage(
         image_text=image_text,
         content_format=cfg.chat_template_content_format,
         chat_template=chat_template_text(cfg.chat_template),
+        sanitize_control_tokens=not cfg.allow_control_tokens_in_content,
+        large_request_chars=cfg.template_large_request_chars,
     )
 
 

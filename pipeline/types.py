@@ -37,6 +37,7 @@ class Message:
     # an assistant's earlier calls: (id, function name, arguments JSON text), ids as the template takes them
     tool_calls: tuple[tuple[str, str, str], ...] = ()
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant's earlier reasoning (the template's ``reasoning_content``)
 
 
 @dataclass(frozen=True, slots=True)

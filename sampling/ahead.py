@@ -233,6 +233,7 @@ class OneStepAhead:
             {i for i, row in enumerate(live) if row in accepted},
             timing,
             {i: logprobs[row] for i, row in enumerate(live) if row in logprobs},
+            force=False,  # the next step is launched already, one token after this one
         )
         ended = time.perf_counter()
         timing.commit = ended - committed

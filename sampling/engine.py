@@ -15,6 +15,7 @@ says why).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from sampling.ahead import OneStepAhead
 from sampling.detokenizer import TokenBytes
 from sampling.guided.decoder import GuidedDecoder
+from sampling.guided.forced import ForcedTokens
 from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import BlockAllocator
 from sampling.masked_sampler import MaskedSampler
@@ -55,7 +57,12 @@ class LLMEngine:
         one_step_ahead: bool = False,
         prefix_caching: bool = True,
         lazy_mask: bool = True,
+        encode: Callable[[str], list[int]] | None = None,
+        forced_tokens: bool = False,
     ) -> None:
+        """``forced_tokens``: write what a grammar forces without a step per token
+        (sampling/guided/forced.py); ``encode``: text to token ids without special tokens, which
+        xgrammar's forced text needs (without it, only llguidance's matchers force)."""
         self.runner = runner
         self.token_bytes = token_bytes
         self.scheduler = Scheduler(
@@ -89,6 +96,7 @@ class LLMEngine:
             max_rows=max_running * 2,
             record_timeline=record_timeline,
             tracer=tracer,
+            forced=ForcedTokens(token_bytes.table, encode, eos_token_ids) if forced_tokens else None,
         )
         # the decode loop one step ahead; None: the synchronous loop
         self.ahead = OneStepAhead(self.parts) if one_step_ahead else None

@@ -160,7 +160,5 @@ class HFModelRunner(PagedRunner):
             "deepstack_visual_embeds": list(rows.unbind(1)),
         }
 
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        ids = torch.as_tensor(token_ids, device=self.device)
+    def decode_forward(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         return self._forward(self.embed_tokens(ids), batch, 0)

@@ -38,6 +38,9 @@ class EngineInput:
     # the grammar holds only after the sequence emits this token (a tool-call marker); None: from the start
     grammar_trigger: int | None = None
     _: KW_ONLY  # what follows is named: a new field can never shift a caller's positional arguments
+    # a reasoning model's answer starts after this token (its end-of-reasoning tag, stages/reasoning.py):
+    # the grammar (and its trigger) only from there on; None: the answer starts at the first token
+    reasoning_end: int | None = None
     # (backend, GrammarSpec) the grammar was compiled from: what an engine in another process compiles
     # again (a compiled grammar costs 3-20x its compile to serialize)
     grammar_source: tuple[str, Any] | None = None

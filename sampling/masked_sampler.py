@@ -66,6 +66,8 @@ class MaskedSampler:
         if no_eos and self.eos_token_ids:
             no_eos_rows = torch.tensor(no_eos, device=logits.device)[:, None]
             logits[no_eos_rows, torch.tensor(self.eos_token_ids, device=logits.device)] = float("-inf")
+        if any(s.reasoning_end is not None for s in seqs):
+            self._bound_reasoning(seqs, logits)
         greedy: torch.Tensor | None = None
         accepted: set[int] = set()
         masked, fill_before = filled, timing.fill
@@ -89,6 +91,22 @@ class MaskedSampler:
         timing.apply = t1 - t0 - timing.accept - (timing.fill - fill_before)
         timing.sample = time.perf_counter() - t1
         return ids, accepted, logprobs
+
+    def _bound_reasoning(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """The rows still reasoning: no end of sequence where a constrained answer is owed, and the end
+        tag alone where ``max_reasoning_tokens`` are spent (in place)."""
+        for row, seq in enumerate(seqs):
+            end = seq.reasoning_end
+            if end is None:
+                continue
+            if seq.must_end_reasoning:
+                kept = logits[row, end].clone()
+                logits[row].fill_(float("-inf"))
+                logits[row, end] = kept
+            elif seq.owes_answer:
+                ends = [t for t in (*self.eos_token_ids, *seq.params.stop_token_ids) if 0 <= t < logits.shape[-1]]
+                if ends:
+                    logits[row, torch.tensor(ends, device=logits.device)] = float("-inf")
 
     def _lazy_mask(
         self,

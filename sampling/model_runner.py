@@ -79,8 +79,6 @@ class ModelRunner(PagedRunner):
         hidden = self.model(embeds, batch, self.kv_caches)
         return self.model.compute_logits(hidden[last])
 
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        ids = torch.as_tensor(token_ids, device=self.device)
+    def decode_forward(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = self.model(self.embed_tokens(ids), batch, self.kv_caches)
         return self.model.compute_logits(hidden)

@@ -23,6 +23,7 @@ __all__ = [
     "attend",
     "attend_tokens",
     "image_span_ids",
+    "paged_attention",
     "register_paged_attention",
 ]
 
@@ -106,13 +107,37 @@ def attend(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write the new K/V into the cache and attend; ``[B, H, Tq, D]``."""
-    k_cache.index_copy_(0, batch.slot_mapping, key)
-    v_cache.index_copy_(0, batch.slot_mapping, value)
-    # keys, values: [B, kv_heads, L, D] gathered through the block tables
-    keys = k_cache[batch.key_slots].transpose(1, 2)
-    values = v_cache[batch.key_slots].transpose(1, 2)
+    """Write the new K/V into the cache and attend; ``[B, H, Tq, D]``.
+
+    Under ``torch.compile`` this is one opaque operator (``paged_attention``): the compiler fuses
+    what lies between attention calls and neither traces into it nor breaks the graph around it."""
     mask = batch.mask(sliding_window)
+    if torch.compiler.is_compiling():
+        return paged_attention(
+            query, key, value, k_cache, v_cache, batch.slot_mapping, batch.key_slots, mask, scaling, softcap
+        )
+    return _attend_masked(
+        query, key, value, k_cache, v_cache, batch.slot_mapping, batch.key_slots, mask, scaling, softcap
+    )
+
+
+def _attend_masked(
+    query: torch.Tensor,  # [B, H, Tq, D]
+    key: torch.Tensor,  # [N, kv_heads, D]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N]
+    key_slots: torch.Tensor,  # [B, L]
+    mask: torch.Tensor,  # [B, 1, Tq, L] bool
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, slot_mapping, key)
+    v_cache.index_copy_(0, slot_mapping, value)
+    # keys, values: [B, kv_heads, L, D] gathered through the block tables
+    keys = k_cache[key_slots].transpose(1, 2)
+    values = v_cache[key_slots].transpose(1, 2)
     if softcap is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     # soft-capped scores (Gemma 2): tanh before the mask, as transformers' eager attention does
@@ -122,6 +147,30 @@ def attend(
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
+
+
+@torch.library.custom_op("vlm_pipeline::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_slots: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``attend`` with its mask built, as one operator: writes the new K/V into the caches; ``[B, H, Tq, D]``
+    contiguous (the shape and strides its fake implementation promises the compiler)."""
+    out = _attend_masked(query, key, value, k_cache, v_cache, slot_mapping, key_slots, mask, scaling, softcap)
+    return out.contiguous()
+
+
+@paged_attention.register_fake
+def _(query: torch.Tensor, *_: Any) -> torch.Tensor:
+    return query.new_empty(query.shape)
 
 
 def attend_tokens(

@@ -65,6 +65,8 @@ class PagedRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the decode forward compiled (``compile_decode``); None: eager
+        self.compiled_decode: Callable[[torch.Tensor, AttentionBatch], torch.Tensor] | None = None
 
     def _allocate(self, num_blocks: int) -> None:
         cfg = self.cfg
@@ -170,6 +172,7 @@ class PagedRunner:
         last = torch.tensor(lengths).cumsum(0) - 1
         return batch, ids.to(self.device), torch.cat(masks).to(self.device), last.to(self.device)
 
+    @torch.inference_mode()  # inference tensors, as the compiled forward's graphs expect (sampling/compiled.py)
     def decode_inputs(self, positions: list[int], block_tables: list[list[int]]) -> AttentionBatch:
         """Where each of B decode tokens goes in the cache and which keys it sees.
 
@@ -222,7 +225,29 @@ class PagedRunner:
         of each chunk's last token, equal to those of ``prefill`` run on each chunk alone."""
         raise NotImplementedError
 
+    @torch.inference_mode()
     def decode(self, token_ids: list[int] | torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """One token for each of B sequences, placed by ``batch`` (from ``decode_inputs``); logits
         ``[B, vocab]``. ``token_ids`` may already be on the device (the last step's samples)."""
+        forward = self.compiled_decode or self.decode_forward
+        return forward(torch.as_tensor(token_ids, device=self.device), batch)
+
+    def decode_forward(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The decode step's model forward: token ids ``[B]`` in, logits ``[B, vocab]`` out (what
+        ``compile_decode`` compiles)."""
         raise NotImplementedError
+
+    def compile_decode(self) -> None:
+        """Run the decode forward compiled by ``torch.compile`` from now on (sampling/compiled.py);
+        the first steps of each new graph pay its compile (seconds; a warm on-disk cache: less)."""
+        from sampling.compiled import compile_decode_forward
+
+        self.compiled_decode = compile_decode_forward(self.decode_forward)
+
+    def warm_up_decode(self) -> None:
+        """Run a decode step at B = 1 and at B = 2, so that each graph of a compiled forward compiles
+        now (a start) rather than in a request's first steps, where it would count against the step
+        timeout. Writes junk K/V into the first slots of block 0, which no sequence holds yet and whose
+        slots any later sequence writes before it reads them."""
+        for size in (1, 2):
+            self.decode([0] * size, self.decode_inputs(list(range(size)), [[0]] * size))

@@ -33,6 +33,8 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never written (the last one is banned)
     allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be written (None: all)
     skip_special_tokens: bool = True  # special tokens write no text
+    # a reasoning model's reasoning ends (its end tag is forced) after this many tokens; None: no bound
+    max_reasoning_tokens: int | None = None
     # a space between special tokens written as text where the tokenizer's decoder puts one (vLLM's
     # fast detokenizer); a byte-level vocabulary's decoder never does, so there it changes nothing
     spaces_between_special_tokens: bool = True

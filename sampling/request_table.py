@@ -122,14 +122,20 @@ class RequestTable:
             mrope=inp.mrope,
             extra_prefill=inp.extra_prefill,
             grammar_trigger=inp.grammar_trigger,
-            grammar_start=0 if inp.grammar_trigger is None else None,
+            grammar_start=0 if inp.grammar_trigger is None and inp.reasoning_end is None else None,
+            reasoning_end=inp.reasoning_end,
         )
 
     def advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> SeqOutput:
         """Append a committed ``token`` (its matcher accepted it): its output, a finish reason if it ends ``seq``."""
         seq.output_ids.append(token)
         self.scheduler.cache_computed(seq)  # before a finish frees its blocks: they stay cached
-        if seq.grammar_start is None and token == seq.grammar_trigger:
+        if seq.reasoning_end is not None:
+            if token == seq.reasoning_end:  # the answer starts: its grammar now, or from its trigger on
+                seq.reasoning_end = None
+                if seq.grammar_trigger is None:
+                    seq.grammar_start = len(seq.output_ids)
+        elif seq.grammar_start is None and token == seq.grammar_trigger:
             seq.grammar_start = len(seq.output_ids)  # the next step's fill builds the matcher
         params = seq.params
         can_stop = len(seq.output_ids) > params.min_tokens

@@ -184,8 +184,10 @@ class Scheduler:
         return need <= self.allocator.num_free or need > self.allocator.num_blocks
 
     def _next_step(self) -> PrefillStep | PrefillBatch | DecodeStep | None:
-        prefilling = next((s for s in self.running if s.is_prefilling and not s.held_for_grammar), None)
-        decoding = [s for s in self.running if not s.is_prefilling]
+        prefilling = next(
+            (s for s in self.running if s.is_prefilling and not s.is_extending and not s.held_for_grammar), None
+        )
+        decoding = [s for s in self.running if not s.is_prefilling or s.is_extending]
         want_prefill = prefilling is not None or bool(self.waiting)
         if want_prefill and self._prefill_due(bool(decoding)):
             seq = prefilling or self.admit()
@@ -197,13 +199,24 @@ class Scheduler:
                     self.grow(seq, end)
                     self._decodes_since_prefill = 0
                     return batched_prefill(self, PrefillStep(seq, start, end), budget)
-                decoding = [s for s in self.running if not s.is_prefilling]
+                decoding = [s for s in self.running if not s.is_prefilling or s.is_extending]
         if not decoding:
             return None
         step = self._schedule_decode(decoding)
-        if step is not None:
-            self._decodes_since_prefill += 1
-        return step
+        if step is None:
+            return None
+        self._decodes_since_prefill += 1
+        return self._with_extends(step)
+
+    @staticmethod
+    def _with_extends(step: DecodeStep) -> DecodeStep | PrefillBatch:
+        """``step``, where some of its sequences run forced tokens: one forward with each of those as
+        a chunk of its uncomputed tokens, beside the others' decodes (their blocks grown already)."""
+        extending = [s for s in step.seqs if s.is_extending]
+        if not extending:
+            return step
+        chunks = [PrefillStep(s, s.num_computed, s.num_tokens) for s in extending]
+        return PrefillBatch(chunks, [s for s in step.seqs if not s.is_extending], extends=True)
 
     def await_grammars(self, timeout: float) -> None:
         """Nothing can run but sequences held for their grammars' compiles: wait for the first compile

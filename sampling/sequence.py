@@ -39,6 +39,8 @@ class Sequence:
     num_siblings: int = 1  # n: this sequence forks into n after its prefill
     grammar_trigger: int | None = None  # the grammar starts after this token (see EngineInput)
     grammar_start: int | None = 0  # index in output_ids where the grammar starts; None: not triggered yet
+    # while set, the sequence is reasoning: its answer (and grammar, and trigger) starts after this token
+    reasoning_end: int | None = None
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -90,6 +92,24 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True until every token but the last sampled one has its K/V in the cache."""
         return self.num_computed < self.num_tokens - (1 if self.output_ids else 0)
+
+    @property
+    def owes_answer(self) -> bool:
+        """Reasoning still, with a constraint its answer must meet: no end of sequence until the
+        reasoning ends (an answer that never began cannot be a constrained one)."""
+        return self.reasoning_end is not None and self.grammar is not None
+
+    @property
+    def must_end_reasoning(self) -> bool:
+        """Reasoning still, with its ``max_reasoning_tokens`` spent: its next token is the end tag."""
+        bound = self.params.max_reasoning_tokens
+        return self.reasoning_end is not None and bound is not None and len(self.output_ids) >= bound
+
+    @property
+    def is_extending(self) -> bool:
+        """Its prompt computed, with more than its last token still to run: forced tokens
+        (sampling/guided/forced.py), which its next step runs as one extend before it samples."""
+        return bool(self.output_ids) and self.num_computed >= len(self.prompt_ids) and self.is_prefilling
 
     @property
     def grammar_compiling(self) -> bool:

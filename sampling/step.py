@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from sampling.guided.decoder import GrammarUnavailable, refusal
+from sampling.guided.forced import ForcedTokens
 from sampling.guided.step_grammar import StepGrammar
 from sampling.inputs import SeqOutput
 from sampling.logits_process import StepLogprobs, TokenLogprob
@@ -65,6 +66,7 @@ class StepParts:
         max_rows: int,
         record_timeline: bool = False,
         tracer: Any = None,
+        forced: ForcedTokens | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -76,6 +78,10 @@ class StepParts:
         self.record_timeline = record_timeline
         self.timeline: list[StepTiming] = []
         self.tracer = tracer  # anything with pipeline.observability.trace.Tracer's span(): one span per step
+        # what each guided sequence's grammar forces after its sampled token, written at commit (None: one
+        # token per step); the one-step-ahead loop commits with none (its next step is launched by then)
+        self.forced = forced
+        self.num_forced = 0  # tokens written so (a counter for tests and benchmarks)
 
     def schedule(self) -> tuple[PrefillStep | PrefillBatch | DecodeStep | None, list[SeqOutput]]:
         """The next step (None: nothing can run), and the outputs of the sequences failed as unfit on the way."""
@@ -139,7 +145,9 @@ class StepParts:
                 self.timed(timing, forward)
                 self._computed(chunks, [])
                 return [], None, []
-        defer_greedy = isinstance(step, DecodeStep) and self.defers_greedy()
+        # a step of decodes and forced tokens' extends samples as a decode does (its matchers are built)
+        is_decode = isinstance(step, DecodeStep) or (isinstance(step, PrefillBatch) and step.extends)
+        defer_greedy = is_decode and self.defers_greedy()
         forward_done: Future[None] = Future()
         fill = self.grammar.start_fill(seqs, defer_greedy, timing, forward_done)
         try:
@@ -260,9 +268,12 @@ class StepParts:
         accepted_rows: set[int],
         timing: StepTiming,
         logprobs: dict[int, TokenLogprob],
+        *,
+        force: bool = True,
     ) -> list[SeqOutput]:
         """Accept the tokens into the matchers (but ``accepted_rows``'), detokenize, check stop conditions,
-        finish sequences: their outputs."""
+        finish sequences: their outputs. With ``force`` (and ``forced``), each sequence's forced tokens
+        follow its token, in the same output."""
         t0 = time.perf_counter()
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None and i not in accepted_rows]
         accepted = dict(
@@ -280,8 +291,38 @@ class StepParts:
                 logger.error("request %s: %s", seq.request_id, message)
                 outputs += self.requests.fail(seq, message, kind)
                 continue
-            outputs.append(self.requests.advance(seq, token, logprobs.get(row)))
+            out = self.requests.advance(seq, token, logprobs.get(row))
+            if force and self.forced is not None and self._may_force(seq, out):
+                out = self._force(seq, out)
+            outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _may_force(seq: Sequence, out: SeqOutput) -> bool:
+        """Whether ``seq``, which just wrote ``out``, takes forced tokens: running under its grammar,
+        and asking for nothing a forced token would bypass (log probabilities, computed where a token
+        is sampled; bans, applied to sampled tokens)."""
+        params = seq.params
+        return out.finish_reason is None and seq.matcher is not None and params.logprobs is None and not params.has_bans
+
+    def _force(self, seq: Sequence, out: SeqOutput) -> SeqOutput:
+        """``out`` followed by what ``seq``'s grammar forces, each token accepted and committed as a
+        sampled one is (a stop string, ``max_tokens`` or the model's length may end it early)."""
+        assert self.forced is not None and seq.matcher is not None
+        forced = self.forced.after(seq.matcher, seq.output_ids)
+        for token in forced:
+            # a token that ends the answer is sampled, never forced; a refusal (never, but for a backend
+            # that misspoke) leaves the rest to be sampled
+            if token in seq.params.stop_token_ids or not seq.matcher.accept_token(token):
+                break
+            self.num_forced += 1
+            more = self.requests.advance(seq, token)
+            out.token_ids += more.token_ids
+            out.text += more.text
+            out.finish_reason = more.finish_reason
+            if more.finish_reason is not None:
+                break
+        return out
 
     def fail_step(self, seqs: list[Sequence], exc: Exception) -> list[SeqOutput]:
         """Fail those of ``seqs`` still running (an exception in their step: a bug or a device error)."""

@@ -30,6 +30,9 @@ class PrefillBatch:
 
     chunks: list[PrefillStep]
     decodes: list[Sequence] = field(default_factory=list)
+    # its chunks are forced tokens (Sequence.is_extending), its decodes every other running sequence:
+    # a decode step in all but name, where some sequences run several tokens
+    extends: bool = False
 
     @property
     def seqs(self) -> list[Sequence]:

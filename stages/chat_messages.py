@@ -3,7 +3,9 @@
 A string-format template gets each message's text as one string, its text parts joined with "\\n"
 (as vLLM joins them) and each image written as the model's image placeholder; an openai-format
 template gets the list of parts. Tool results are one string either way, and an assistant's calls
-carry their arguments as an object, which templates expect (``arguments | tojson``).
+carry their arguments as an object, which templates expect (``arguments | tojson``). Every string the
+request wrote goes through a ``mark`` (``stages/control_tokens.py``); the image placeholders this
+module writes do not, so they stay the model's own tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from pipeline.errors import InvalidRequest
 from pipeline.types import ImagePart, Message
 from stages.chat_format import ContentFormat
+from stages.control_tokens import Marker, no_marking
 from stages.tokens import single_token_id
 from vision.image_text import ImageText
 from vision.preprocess import ImageTokenIds
@@ -53,11 +56,11 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _text(message: Message, index: int, image_placeholder: str | None) -> str:
+def _text(message: Message, index: int, image_placeholder: str | None, mark: Marker) -> str:
     pieces: list[str] = []
     for part in message.parts:
         if not isinstance(part, ImagePart):
-            pieces.append(part.text)
+            pieces.append(mark(part.text))
         elif image_placeholder is None:
             raise InvalidRequest(
                 "this chat template takes text content only, and the model names no image placeholder to write "
@@ -69,23 +72,29 @@ def _text(message: Message, index: int, image_placeholder: str | None) -> str:
     return "\n".join(pieces)
 
 
-def _content(message: Message, index: int, content_format: ContentFormat, image_placeholder: str | None) -> Any:
+def _content(
+    message: Message, index: int, content_format: ContentFormat, image_placeholder: str | None, mark: Marker
+) -> Any:
     if not message.parts:
         return None  # an assistant turn of calls only; transformers drops a None content
     if message.role == "tool":  # templates read a tool result as one string
-        return "".join(part.text for part in message.parts if not isinstance(part, ImagePart))
+        return mark("".join(part.text for part in message.parts if not isinstance(part, ImagePart)))
     if content_format == "string":
-        return _text(message, index, image_placeholder)
+        return _text(message, index, image_placeholder, mark)
     return [
-        {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+        {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": mark(part.text)}
         for part in message.parts
     ]
 
 
 def to_template_messages(
-    messages: tuple[Message, ...], content_format: ContentFormat, image_placeholder: str | None = None
+    messages: tuple[Message, ...],
+    content_format: ContentFormat,
+    image_placeholder: str | None = None,
+    mark: Marker = no_marking,
 ) -> list[dict[str, Any]]:
-    """``messages`` as the template's ``messages`` variable, content in ``content_format``.
+    """``messages`` as the template's ``messages`` variable, content in ``content_format``; ``mark``:
+    what each string the request wrote goes through (its text, results, calls and call ids).
 
     :raises InvalidRequest: (string format) an image in a message when there is no ``image_placeholder``.
     """
@@ -93,14 +102,20 @@ def to_template_messages(
     for index, message in enumerate(messages):
         hf: dict[str, Any] = {
             "role": message.role,
-            "content": _content(message, index, content_format, image_placeholder),
+            "content": _content(message, index, content_format, image_placeholder, mark),
         }
         if message.tool_calls:
             hf["tool_calls"] = [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
+                {
+                    "id": mark(call_id),
+                    "type": "function",
+                    "function": {"name": mark(name), "arguments": mark(_arguments(arguments))},
+                }
                 for call_id, name, arguments in message.tool_calls
             ]
         if message.tool_call_id is not None:
-            hf["tool_call_id"] = message.tool_call_id
+            hf["tool_call_id"] = mark(message.tool_call_id)
+        if message.reasoning is not None:  # Qwen3's template reads it (and keeps the last turn's)
+            hf["reasoning_content"] = mark(message.reasoning)
         out.append(hf)
     return out

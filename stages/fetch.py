@@ -22,6 +22,7 @@ from yarl import URL
 
 from pipeline.errors import DeadlineExceeded, ImageFetchError, PayloadTooLarge
 from stages.data_url_keys import is_data_url
+from stages.fetch_errors import client_error_reason, remote_text, status_reason
 from stages.fetch_policy import AddressPolicy, AddressRefused, PinnedResolver, Resolver, SystemResolver
 
 __all__ = ["FetchStage"]
@@ -43,9 +44,9 @@ def _shown(url: str) -> str:
 
 class FetchStage:
     """Fetches the bytes of image URLs within its limits: ``max_bytes`` per image, ``concurrency``
-    fetches at once, a connect timeout and one total deadline per image (every redirect hop included),
-    ``max_redirects`` hops, private addresses only when ``allow_private``, local files only under
-    ``media_root``."""
+    fetches at once (``per_request`` of them for one request's images, see ``request_slots``), a
+    connect timeout and one total deadline per image (every redirect hop included), ``max_redirects``
+    hops, private addresses only when ``allow_private``, local files only under ``media_root``."""
 
     name = "fetch"
 
@@ -54,6 +55,7 @@ class FetchStage:
         *,
         max_bytes: int = 20 * 1024 * 1024,
         concurrency: int = 32,
+        per_request: int | None = None,
         connect_timeout_s: float = 5.0,
         total_timeout_s: float = 20.0,
         max_redirects: int = 3,
@@ -64,6 +66,7 @@ class FetchStage:
     ) -> None:
         self.max_bytes = max_bytes
         self.concurrency = concurrency
+        self.per_request = min(per_request or concurrency, concurrency)
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
         self.max_redirects = max_redirects
@@ -98,8 +101,15 @@ class FetchStage:
     ) -> None:
         await self.aclose()
 
-    async def run(self, url: str, *, field: str) -> bytes:
-        """The bytes ``url`` points at.
+    def request_slots(self) -> anyio.CapacityLimiter:
+        """One request's share of the fetch slots, for ``run``: its images beyond ``per_request`` wait
+        for its own, not for everyone's (four requests of eight slow URLs held all 32 slots, and
+        another user's good URL waited behind them)."""
+        return anyio.CapacityLimiter(self.per_request)
+
+    async def run(self, url: str, *, field: str, slots: anyio.CapacityLimiter | None = None) -> bytes:
+        """The bytes ``url`` points at; ``slots``: the request's share (``request_slots``), taken
+        before a shared slot.
 
         :raises ImageFetchError: refused or failed URL. :raises PayloadTooLarge: over the byte cap.
         :raises DeadlineExceeded: the server did not answer in time.
@@ -108,12 +118,19 @@ class FetchStage:
         scheme = match.group(1).lower() if match else ""
         if scheme == "data":
             return await self._data_url(url, field)
-        if scheme in ("http", "https"):
-            async with self.limiter:
-                return await self._http(url, field)
-        if scheme == "file" or (not scheme and url.startswith("/")):
+        is_local = scheme == "file" or (not scheme and url.startswith("/"))
+        if scheme not in ("http", "https") and not is_local:
+            raise self._error(url, f"unsupported URL scheme {scheme or '(none)'!r}", field)
+        if slots is None:
+            return await self._fetch(url, field, is_local)
+        async with slots:
+            return await self._fetch(url, field, is_local)
+
+    async def _fetch(self, url: str, field: str, is_local: bool) -> bytes:
+        if is_local:
             return await self._local_file(url, field)
-        raise self._error(url, f"unsupported URL scheme {scheme or '(none)'!r}", field)
+        async with self.limiter:
+            return await self._http(url, field)
 
     def _error(self, url: str, reason: str, field: str) -> ImageFetchError:
         return ImageFetchError(f"cannot fetch image {_shown(url)}: {reason}", field=field, stage=self.name)
@@ -166,10 +183,10 @@ class FetchStage:
         except AddressRefused as exc:
             raise self._error(url, str(exc), field) from None
         except aiohttp.ClientConnectorError as exc:
-            reason = str(exc.os_error) if isinstance(exc.os_error, AddressRefused) else f"cannot connect ({exc})"
+            reason = str(exc.os_error) if isinstance(exc.os_error, AddressRefused) else client_error_reason(exc)
             raise self._error(url, reason, field) from None
         except aiohttp.ClientError as exc:
-            raise self._error(url, f"{type(exc).__name__}: {exc}", field) from None
+            raise self._error(url, client_error_reason(exc), field) from None
 
     async def _follow(self, session: aiohttp.ClientSession, url: str, field: str) -> bytes:
         target = self._parse_http(url, url, field)
@@ -190,21 +207,28 @@ class FetchStage:
         try:  # any remote host writes the Location: yarl's ValueError must not leave the stage
             target = URL(hop) if base is None else base.join(URL(hop))
             target.port  # noqa: B018  # raises for a port out of range
-        except ValueError as exc:
-            raise self._error(url, f"malformed {what} {_shown(hop)} ({exc})", field) from None
+        except ValueError:  # yarl's message quotes the text: a Location is the remote server's
+            raise self._error(url, f"malformed {what} {self._hop(url, hop, base)}", field) from None
         if target.scheme not in ("http", "https") or not target.raw_host:
-            raise self._error(url, f"{_shown(hop)} is not an http(s) URL with a host", field)
+            raise self._error(url, f"{what} {self._hop(url, hop, base)} is not an http(s) URL with a host", field)
         if not _HOST.fullmatch(target.raw_host):
-            raise self._error(url, f"malformed {what} {_shown(hop)} (the host is not a name or address)", field)
+            message = f"malformed {what} {self._hop(url, hop, base)} (the host is not a name or address)"
+            raise self._error(url, message, field)
         return target
+
+    @staticmethod
+    def _hop(url: str, hop: str, base: URL | None) -> str:
+        """A hop as an error shows it: the client's own URL as it is, a redirect's as remote text."""
+        return _shown(url) if base is None else remote_text(hop)
 
     async def _read_body(self, url: str, resp: aiohttp.ClientResponse, field: str) -> bytes:
         if resp.status != 200:
-            raise self._error(url, f"the server answered {resp.status}", field)
+            raise self._error(url, status_reason(resp.status), field)
         # the raw header: aiohttp's resp.content_type says octet-stream when the header is missing
         content_type = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if not content_type.startswith("image/") and content_type not in _ACCEPTED_TYPES:
-            raise self._error(url, f"content type {content_type or '(none)'!r} is not an image", field)
+            shown = remote_text(content_type, quoted=True) if content_type else "(none)"
+            raise self._error(url, f"content type {shown} is not an image", field)
         if resp.content_length is not None and resp.content_length > self.max_bytes:
             raise self._too_large(url, str(resp.content_length), field)
         chunks: list[bytes] = []

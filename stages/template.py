@@ -2,9 +2,10 @@
 
 Each template gets a message's content in the form its author wrote it for, one string or a list of
 parts (``stages/chat_format.py``, decided once per template), and a request's own options (its
-template, template variables, an open final turn, truncation) as vLLM reads them. Rendering and
-tokenizing hold the GIL for milliseconds on long prompts, so they run in a worker thread under this
-stage's limiter.
+template, template variables, an open final turn, truncation) as vLLM reads them. Control-token
+text in what the request wrote is encoded as text (``stages/control_tokens.py``) unless the stage is
+told to allow it. Rendering and tokenizing hold the GIL for milliseconds on long prompts, so they run
+in a worker thread under this stage's limiter.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pipeline.errors import InvalidRequest, PromptTooLong
 from pipeline.types import Message, TemplateOptions
 from stages.chat_format import ContentFormat, ContentFormats
 from stages.chat_messages import image_placeholder_of, to_template_messages
+from stages.control_tokens import MARK_START, ControlTokens, no_marking
 from stages.offload import Offload
 from stages.template_options import reserved_template_names, template_kwargs, truncate_prompt
 from stages.tokens import single_token_id, with_bos
@@ -49,12 +51,17 @@ class TemplateStage:
         content_format: str = "auto",
         chat_template: str | None = None,
         image_placeholder: str | None = None,
+        sanitize_control_tokens: bool = True,
+        large_request_chars: int = 256 * 1024,
     ) -> None:
         """``image_ids``: the image token layout, None for a model that takes no images;
         ``image_text``: a layout the processor expands in text before tokenizing (Gemma 3);
         ``content_format``: how templates take a message's content ("auto": each template's own,
         "string" or "openai" for all); ``chat_template``: a template that replaces the tokenizer's;
-        ``image_placeholder``: what a string-format template gets for an image (None: the model's own).
+        ``image_placeholder``: what a string-format template gets for an image (None: the model's own);
+        ``sanitize_control_tokens``: control-token text in messages, tools and template variables is
+        encoded as text (False: as the tokens it spells, transformers' and vLLM's default);
+        ``large_request_chars``: a prompt of more (``is_large``) is rendered in the large lane.
 
         :raises ValueError: if ``content_format`` is unknown, or ("auto") the template is not valid Jinja.
         """
@@ -64,6 +71,10 @@ class TemplateStage:
         self.max_prompt_tokens = max_prompt_tokens
         self.offload = Offload(anyio.CapacityLimiter(threads), inline=inline)
         self.limiter = self.offload.limiter
+        # the large lane: a thread of its own for large prompts (``run(large=True)``), so that small ones
+        # never wait behind them (the tokenizer lets go of the GIL while it encodes)
+        self.large_offload = Offload(anyio.CapacityLimiter(1), inline=inline)
+        self.large_request_chars = large_request_chars
         # read at start (about 0.1 s for a 131k vocabulary), not by the first request's template step
         self._longest_token = self._longest_token_of(tokenizer)
         self.chat_template = chat_template
@@ -72,7 +83,11 @@ class TemplateStage:
         self._reserved = reserved_template_names(tokenizer)
         self.formats = ContentFormats(content_format)
         # decided here, once, for the template most requests use (the server logs it)
-        self.content_format: ContentFormat = self.formats.of(self._default_template())
+        default_template = self._default_template()
+        self.content_format: ContentFormat = self.formats.of(default_template)
+        self.control_tokens = ControlTokens(tokenizer) if sanitize_control_tokens else None
+        if self.control_tokens is not None and default_template is not None:
+            self.control_tokens.marker(default_template)  # about 0.1 s for 1,000 special tokens: at start
 
     def _default_template(self) -> str | None:
         try:
@@ -96,11 +111,22 @@ class TemplateStage:
         vocab = getattr(tokenizer, "get_vocab", None)
         return max(map(len, vocab()), default=1) if callable(vocab) else None
 
+    def is_large(self, render_chars: int) -> bool:
+        """Whether a prompt of ``render_chars`` (``ChatRequest.render_chars``) goes to the large lane."""
+        return render_chars > self.large_request_chars
+
+    @property
+    def max_text_chars(self) -> int | None:
+        """Characters of text that ``max_prompt_tokens`` tokens cannot write, whatever the text (None:
+        unknown); admission checks a conversation's text against it before rendering."""
+        longest = self._longest_token
+        return None if longest is None else self.max_prompt_tokens * longest * _SHRINK_ROOM
+
     def _check_chars(self, text: str, where: str) -> None:
         """:raises PromptTooLong: a text longer than ``max_prompt_tokens`` tokens could write,
         refused before tokenizing it (tens of megabytes of text: a minute and gigabytes to count)."""
-        longest = self._longest_token
-        if longest is not None and len(text) > self.max_prompt_tokens * longest * _SHRINK_ROOM:
+        bound = self.max_text_chars
+        if bound is not None and len(text) > bound:
             raise PromptTooLong(
                 f"the prompt is {len(text)} characters, more than {self.max_prompt_tokens} tokens can hold; "
                 f"at most {self.max_prompt_tokens} tokens are allowed",
@@ -154,7 +180,11 @@ class TemplateStage:
         else:
             text = self.render_text(messages, tools, options)
             self._check_chars(text, where)
-            ids = self.tokenizer.encode(self._expand_text(text, images, where), add_special_tokens=False)
+            text = self._expand_text(text, images, where, typed=True)
+            if self.control_tokens is None:
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.control_tokens.encode(text, max_tokens=self.max_prompt_tokens, where=where)
         ids = self._with_images(ids, images, where)
         image_token = self.image_ids.image if self.image_ids is not None else None
         ids = truncate_prompt(
@@ -177,28 +207,30 @@ class TemplateStage:
             )
         kwargs = template_kwargs(options.kwargs, self._reserved)
         tool_list = list(tools) or None
+        field = "chat_template" if options.chat_template is not None else "messages"
         try:
             # a tokenizer may keep several named templates: the tool one when tools are given
             template = str(self.tokenizer.get_chat_template(options.chat_template or self.chat_template, tool_list))
             content_format = self.formats.of(template)
+            mark = self.control_tokens.marker(template) if self.control_tokens is not None else no_marking
         except ValueError as exc:
-            field = "chat_template" if options.chat_template is not None else "messages"
             raise InvalidRequest(f"no chat template to render the conversation: {exc}", field=field) from None
-        conversation = to_template_messages(messages, content_format, self.image_placeholder)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InvalidRequest(f"the chat template is not valid Jinja: {exc}", field=field) from None
+        conversation = to_template_messages(messages, content_format, self.image_placeholder, mark)
         try:
             return str(
                 self.tokenizer.apply_chat_template(
                     conversation,
-                    tools=tool_list,
+                    tools=mark(tool_list),
                     chat_template=template,
                     tokenize=False,
                     add_generation_prompt=options.add_generation_prompt,
                     continue_final_message=options.continue_final_message,
-                    **kwargs,
+                    **mark(kwargs),
                 )
             )
         except jinja2.TemplateSyntaxError as exc:
-            field = "chat_template" if options.chat_template is not None else "messages"
             raise InvalidRequest(f"the chat template is not valid Jinja: {exc}", field=field) from None
         except Exception as exc:  # jinja's raise_exception: the template's own rules (roles, order)
             raise InvalidRequest(f"the chat template rejected the conversation: {exc}", field="messages") from None
@@ -224,15 +256,18 @@ class TemplateStage:
                 field=where,
             ) from None
 
-    def _expand_text(self, text: str, images: Sequence[ImageGrid], where: str) -> str:
+    def _expand_text(self, text: str, images: Sequence[ImageGrid], where: str, *, typed: bool = False) -> str:
+        """``text`` with a layout expanded in text; ``typed``: text rendered from marked strings,
+        whose marked placeholders are the client's text, not images."""
         if self.image_text is None or self.image_ids is None:
             return text
-        return self._expanded(self.image_text.expand_text, text, images, where=where)
+        after = MARK_START if typed and self.control_tokens is not None else None
+        return self._expanded(self.image_text.expand_text, text, images, where=where, typed_after=after)
 
     @staticmethod
-    def _expanded(expand: Any, *args: Any, where: str) -> Any:
+    def _expanded(expand: Any, *args: Any, where: str, **kwargs: Any) -> Any:
         try:
-            return expand(*args)
+            return expand(*args, **kwargs)
         except ValueError as exc:
             raise InvalidRequest(f"image placeholders do not match the images ({exc})", field=where) from None
 
@@ -251,6 +286,10 @@ class TemplateStage:
         prompt: str | list[int] | None = None,
         prompt_field: str = "prompt",
         options: TemplateOptions | None = None,
+        *,
+        large: bool = False,
     ) -> list[int]:
-        """Render and tokenize in a worker thread (finishes even if the caller is cancelled)."""
-        return await self.offload.run(self.render, messages, images, tools, prompt, prompt_field, options)
+        """Render and tokenize in a worker thread (finishes even if the caller is cancelled); ``large``:
+        in the large lane's."""
+        lane = self.large_offload if large else self.offload
+        return await lane.run(self.render, messages, images, tools, prompt, prompt_field, options)

@@ -41,16 +41,23 @@ def request_bytes(method: str, path: str, headers: dict[str, bytes | str], body:
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-async def read_response(stream: SocketStream, *, head_only: bool = False) -> RawResponse:
-    """Read one response (``Content-Length`` framed, or up to the close) from ``stream``;
-    ``head_only``: the answer to a HEAD request (a ``Content-Length`` but no body)."""
+async def read_response(stream: SocketStream, *, head_only: bool = False, interim: bool = False) -> RawResponse:
+    """Read one final response (``Content-Length`` framed, or up to the close) from ``stream``,
+    skipping interim ones (``100 Continue``); ``interim``: the status of the first response alone,
+    interim or not; ``head_only``: the answer to a HEAD request (a ``Content-Length`` but no body)."""
     data = b""
-    while b"\r\n\r\n" not in data:
-        try:
-            data += await stream.receive()
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            raise ConnectionError(f"closed before a whole response head: {data!r}") from None
-    head, _, body = data.partition(b"\r\n\r\n")
+    while True:
+        while b"\r\n\r\n" not in data:
+            try:
+                data += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                raise ConnectionError(f"closed before a whole response head: {data!r}") from None
+        head, _, body = data.partition(b"\r\n\r\n")
+        if interim or not head.startswith(b"HTTP/1.1 1"):
+            break
+        data = body  # an interim response: the final one follows
+    if interim:
+        return RawResponse(int(head.split()[1]))
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
     headers = {}
     for line in header_lines:

@@ -13,10 +13,14 @@ __all__ = ["SUPPORTED_FORMATS", "check_scalable", "decode_image", "draft_size"]
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 _WHITE = (255, 255, 255)
-# What Pillow raises for bytes it cannot decode: truncated or corrupt data surfaces as OSError
-# ("image file is truncated"), ValueError, SyntaxError or EOFError depending on the plugin; where
-# warnings are errors, also as its UserWarnings about damaged files (TIFF: "Truncated File Read").
-_CORRUPT = (OSError, ValueError, SyntaxError, EOFError, UserWarning)
+_BOMB = (Image.DecompressionBombError, Image.DecompressionBombWarning)
+_MAX_REASON = 200  # characters of Pillow's own message kept in ours
+# Whatever Pillow raises while it opens, loads, turns or converts the bytes is the image's fault, a
+# 400 naming it. Truncated or corrupt data surfaces as OSError, ValueError, SyntaxError, EOFError or
+# struct.error depending on the plugin (and where warnings are errors, as its UserWarnings about
+# damaged files); crafted headers reach plugin code that never expected them: a 190-byte TIFF whose
+# StripOffsets tag is a float or UNDEFINED raised TypeError, and an offset past 2**63 OverflowError.
+# MemoryError is not the bytes' fault (the pixel cap is checked before anything is decoded).
 
 
 def decode_image(data: bytes, *, max_pixels: int, target_longest_edge: int | None, field: str) -> Image.Image:
@@ -25,6 +29,17 @@ def decode_image(data: bytes, *, max_pixels: int, target_longest_edge: int | Non
     :raises ImageDecodeError: bytes that are not a supported, intact image.
     :raises PayloadTooLarge: more than ``max_pixels`` pixels (checked from the header, before decoding).
     """
+    try:
+        return _decode(data, max_pixels, target_longest_edge, field)
+    except (ImageDecodeError, PayloadTooLarge, MemoryError):
+        raise
+    except _BOMB as exc:
+        raise _bomb(exc, max_pixels, field) from None
+    except Exception as exc:
+        raise ImageDecodeError(f"corrupt or truncated image: {_reason(exc)}", field=field, stage="decode") from None
+
+
+def _decode(data: bytes, max_pixels: int, target_longest_edge: int | None, field: str) -> Image.Image:
     image = _open(data, max_pixels, field)
     width, height = image.size
     if width * height > max_pixels:
@@ -33,21 +48,33 @@ def decode_image(data: bytes, *, max_pixels: int, target_longest_edge: int | Non
             field=field,
             stage="decode",
         )
-    try:
-        image.seek(0)  # animations and multi-page TIFFs: first frame only
-        if image.format == "JPEG" and target_longest_edge is not None:
-            size = draft_size(image.size, target_longest_edge)
-            if size is not None:
-                # The model's processor resizes to target_longest_edge anyway, and libjpeg can decode
-                # at 1/2, 1/4 or 1/8 scale inside the IDCT, never below the requested size: 1/16 of the
-                # pixels at 1/4 (measured here: 4096x3072 in 27 ms at full size, 7 ms at 1/4), and
-                # the processor's resize that follows is cheaper too.
-                image.draft("RGB", size)
-        image.load()
-        ImageOps.exif_transpose(image, in_place=True)  # in place: no copy of an upright image
-        return _to_rgb(image)
-    except _CORRUPT as exc:
-        raise ImageDecodeError(f"corrupt or truncated image: {exc}", field=field, stage="decode") from None
+    image.seek(0)  # animations and multi-page TIFFs: first frame only
+    if image.format == "JPEG" and target_longest_edge is not None:
+        size = draft_size(image.size, target_longest_edge)
+        if size is not None:
+            # The model's processor resizes to target_longest_edge anyway, and libjpeg can decode at
+            # 1/2, 1/4 or 1/8 scale inside the IDCT, never below the requested size: 1/16 of the pixels
+            # at 1/4 (measured here: 4096x3072 in 27 ms at full size, 7 ms at 1/4), and the processor's
+            # resize that follows is cheaper too.
+            image.draft("RGB", size)
+    image.load()
+    ImageOps.exif_transpose(image, in_place=True)  # in place: no copy of an upright image
+    return _to_rgb(image)
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    if not isinstance(exc, OSError | ValueError | SyntaxError | EOFError):  # a kind the message does not say
+        text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+
+
+def _bomb(exc: Exception, max_pixels: int, field: str) -> PayloadTooLarge:
+    # Pillow's own check: it warns above Image.MAX_IMAGE_PIXELS (89M) and refuses above twice that.
+    # Our cap is normally lower; the refusal, or the warning where warnings are errors, is the same 413.
+    return PayloadTooLarge(
+        f"image too large to decode ({exc}); at most {max_pixels} pixels are allowed", field=field, stage="decode"
+    )
 
 
 def check_scalable(size: tuple[int, int], longest_edge: int | None, field: str) -> None:
@@ -77,20 +104,16 @@ def _open(data: bytes, max_pixels: int, field: str) -> Image.Image:
     if not data:
         raise ImageDecodeError("the image is empty (0 bytes)", field=field, stage="decode")
     try:
-        # Image.open reads only the header. Pillow's own bomb check runs inside it: it warns above
-        # Image.MAX_IMAGE_PIXELS (89M) and refuses above twice that. Our cap (checked right after) is
-        # normally lower; the refusal, or the warning where warnings are errors, is the same 413.
+        # Image.open reads only the header (Pillow's own bomb check runs inside it: see _bomb)
         return Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise PayloadTooLarge(
-            f"image too large to decode ({exc}); at most {max_pixels} pixels are allowed", field=field, stage="decode"
-        ) from None
+    except (*_BOMB, MemoryError):
+        raise
     except UnidentifiedImageError:
         raise ImageDecodeError(
             f"not a supported image ({', '.join(SUPPORTED_FORMATS)})", field=field, stage="decode"
         ) from None
-    except _CORRUPT as exc:
-        raise ImageDecodeError(f"corrupt image header: {exc}", field=field, stage="decode") from None
+    except Exception as exc:
+        raise ImageDecodeError(f"corrupt image header: {_reason(exc)}", field=field, stage="decode") from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

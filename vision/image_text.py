@@ -9,6 +9,7 @@ processor does, not in token ids.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,13 +55,16 @@ class ImageText:
             if num_tokens != self.num_tokens:
                 raise ValueError(f"an image of {num_tokens} tokens; the model takes {self.num_tokens}")
 
-    def expand_text(self, text: str, images: Sequence[ImageGrid]) -> str:
-        """``text`` with every placeholder expanded, as the processor does before tokenizing.
+    def expand_text(self, text: str, images: Sequence[ImageGrid], *, typed_after: str | None = None) -> str:
+        """``text`` with every placeholder expanded, as the processor does before tokenizing;
+        ``typed_after``: what precedes a placeholder's text that a client typed (a marker), left as is.
 
         :raises ValueError: if the number of placeholders differs from the number of images.
         """
-        self._check(text.count(self.placeholder), images)
-        return text.replace(self.placeholder, self.expansion)
+        unmarked = f"(?<!{re.escape(typed_after)})" if typed_after else ""
+        pattern = re.compile(unmarked + re.escape(self.placeholder))
+        self._check(len(pattern.findall(text)), images)
+        return pattern.sub(lambda _: self.expansion, text)
 
     def expand_ids(self, token_ids: list[int], images: Sequence[ImageGrid], tokenizer: Any) -> list[int]:
         """``token_ids`` (a prompt given as ids) with every placeholder id replaced by the expansion's ids.

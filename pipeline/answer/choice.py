@@ -1,11 +1,13 @@
-"""One choice's answer as the engine's outputs build it (text, then tool calls), the deltas it passes
-on, and a request's ``Result``."""
+"""One choice's answer as the engine's outputs build it (a reasoning model's reasoning, then text, then
+tool calls), the deltas it passes on, and a request's ``Result``."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pipeline.answer.call_split import CallSplit
+from pipeline.answer.reasoning_split import ReasoningSplit
 from sampling.inputs import SeqOutput
 from sampling.logits_process import TokenLogprob
 
@@ -20,6 +22,7 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     is_call: bool = False  # ``text`` continues the choice's tool-call array (``Choice.call_text``)
+    is_reasoning: bool = False  # ``text`` continues the choice's reasoning (``Choice.reasoning``)
 
 
 @dataclass
@@ -31,14 +34,35 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     call_text: str | None = None  # the tool-call array the model wrote; None: it called no tool
     split: CallSplit | None = None  # the calls open where the text says (no marker token)
+    # a reasoning model's answer: its reasoning, split off at the end tag (None: not one, or it was
+    # prompted past its reasoning)
+    reasoning: str | None = None
+    thinking: ReasoningSplit | None = None
 
     def add(self, out: SeqOutput, trigger: int | None, marker: str = "") -> list[Delta]:
         """Take one engine output (``trigger``: the token that opens the calls, ``marker``: its text);
-        the deltas to pass on (text before the calls, then the calls, where one output holds both)."""
+        the deltas to pass on (reasoning, text before the calls, then the calls, where one output
+        holds several)."""
         self.token_ids += out.token_ids
         self.finish_reason = out.finish_reason
         if out.logprobs:
             self.logprobs += out.logprobs
+        if self.thinking is None or not self.thinking.is_open:
+            return self._add_answer(out, trigger, marker)
+        thought, ids, text = self.thinking.feed(out.token_ids, out.text)
+        self.reasoning = (self.reasoning or "") + thought
+        if not ids and not text:  # all of it reasoning (and the end tag, where it came)
+            return [Delta(self.index, thought, out.token_ids, out.finish_reason, out.logprobs, is_reasoning=True)]
+        cut = len(out.token_ids) - len(ids)
+        head = out.logprobs[:cut] if out.logprobs else None
+        rest = out.logprobs[cut:] if out.logprobs else None
+        deltas = [Delta(self.index, thought, out.token_ids[:cut], None, head, is_reasoning=True)] if cut else []
+        return deltas + self._add_answer(
+            dataclasses.replace(out, token_ids=ids, text=text, logprobs=rest), trigger, marker
+        )
+
+    def _add_answer(self, out: SeqOutput, trigger: int | None, marker: str) -> list[Delta]:
+        """The deltas of one output of the answer (what follows any reasoning)."""
         if self.split is not None:
             return self._split(out)
         text, is_call = out.text, self.call_text is not None

@@ -13,6 +13,7 @@ import anyio
 from pipeline.answer.answer_gate import AnswerGate, resample_params
 from pipeline.answer.call_split import CallSplit
 from pipeline.answer.choice import Choice, Delta, Result
+from pipeline.answer.reasoning_split import ReasoningSplit
 from pipeline.errors import EngineError, GrammarError, PipelineError, RequestCancelled
 from pipeline.observability.metrics import Metrics
 from pipeline.observability.trace import Tracer
@@ -20,6 +21,7 @@ from pipeline.outcome import Mailbox, Outcome
 from pipeline.protocol.request import ChatRequest
 from sampling.inputs import EngineInput, SeqOutput
 from stages.grammar.types import CompiledConstraint
+from stages.reasoning import ReasoningFormat
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class PreparedInput:
     # the compile's outcome when the request goes to the engine before it ends: no token may leave
     # before it is in, and a refusal is the request's error (its sequences never sample)
     verdict: Outcome[CompiledConstraint | None] | None = None
+    # a reasoning model prompted to reason first: its tags, to split each answer's reasoning off
+    reasoning: ReasoningFormat | None = None
 
 
 class RequestHandle:
@@ -57,6 +61,7 @@ class RequestHandle:
         self._engine = engine
         self._metrics = metrics
         n = request.sampling.n
+        self._reasoning: ReasoningFormat | None = None  # set once prepared: see ``PreparedInput.reasoning``
         self._choices = [self._new_choice(i) for i in range(n)]
         self._deltas: Mailbox[Delta] = Mailbox()  # bounded by max_tokens * n
         self._outcome: Outcome[Result] = Outcome()
@@ -70,8 +75,12 @@ class RequestHandle:
     def _new_choice(self, index: int) -> Choice:
         plan = self.request.tools
         if plan is not None and plan.spans_answer:
-            return Choice(index, split=CallSplit(plan.format.marker or ""))
-        return Choice(index, call_text="" if plan is not None and plan.starts_with_call else None)
+            choice = Choice(index, split=CallSplit(plan.format.marker or ""))
+        else:
+            choice = Choice(index, call_text="" if plan is not None and plan.starts_with_call else None)
+        if self._reasoning is not None:
+            choice.thinking, choice.reasoning = ReasoningSplit(self._reasoning), ""
+        return choice
 
     @property
     def _marker(self) -> str:
@@ -96,6 +105,9 @@ class RequestHandle:
                 inp = ready.inp
                 self._timings.update(inp.timings)
                 self._prompt_tokens = len(inp.prompt_token_ids)
+                if ready.reasoning is not None:
+                    self._reasoning = ready.reasoning
+                    self._choices = [self._new_choice(c.index) for c in self._choices]
                 gate = self._gate(ready.constraint)
                 gate = await self._decode(inp, started, gate, ready.verdict)
                 if gate is not None and gate.failed:
@@ -241,6 +253,8 @@ class RequestHandle:
                 failed = gate.verify(checked) if choice.finish_reason == "stop" and checked is not None else None
                 if failed is None:
                     self._choices[index] = choice
+                    if choice.reasoning:
+                        self._deltas.put(Delta(index, choice.reasoning, [], is_reasoning=True))
                     is_call = choice.call_text is not None
                     text = choice.call_text if choice.call_text is not None else choice.text
                     delta = Delta(index, text, choice.token_ids, choice.finish_reason, choice.logprobs, is_call)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiohttp import StreamReader, web
@@ -88,13 +90,20 @@ class BodyPacer:
 
     async def read(self, request: web.BaseRequest) -> bytes:
         """``request``'s body, read under a slot (a request without one is read at once)."""
+        async with self.slot(request):
+            return await request.read()
+
+    @asynccontextmanager
+    async def slot(self, request: web.BaseRequest) -> AsyncIterator[None]:
+        """Hold a slot to read ``request``'s body in for the block (none for a request without a body)."""
         transport = request.transport
         if not request.body_exists or transport is None:
-            return await request.read()
+            yield
+            return
         slot = await self._acquire(transport, request.content)
         try:
             _set_read_size(transport, _BODY_READ_BYTES)
-            return await request.read()
+            yield
         finally:
             self._release(slot)
             read_heads(transport)  # the next request on this connection starts with its head

@@ -14,6 +14,10 @@ head, and what happens at the cap.
 - **Bodies a few at a time**: at most ``max_reading_bodies`` request bodies are read at once, the
   others wait in arrival order with their connections paused, and a body that arrives slower than
   ``min_body_rate`` gives its slot up (``pipeline/api/body_pacing.py``).
+- **Body deadline**: a body must arrive whole within ``body_timeout_s`` of its head (a wait for a
+  body slot counts), plus a second for each ``body_timeout_rate`` bytes received, so a large body
+  sent at that rate or faster never times out and a stalled one is answered 408 and closed
+  (``pipeline/api/body_deadline.py``).
 - **Counted, logged once per interval**: refusals, evictions and header timeouts are counted in
   ``ConnectionStats`` and logged as one summary line per ``log_interval_s``, never per connection.
 """
@@ -48,6 +52,8 @@ class ConnectionLimits:
     log_interval_s: float = 10.0  # at most one summary line of refusals per interval
     max_reading_bodies: int = 2  # request bodies read at once (pipeline/api/body_pacing.py)
     min_body_rate: float = 4e6  # bytes a second: a body that arrives slower reads on without its slot
+    body_timeout_s: float = 30.0  # for a request body to arrive whole, beyond what its bytes earn
+    body_timeout_rate: float = 64 * 1024  # bytes a second: each such second of bytes received earns a second
 
     def __post_init__(self) -> None:
         if self.max_connections < 2:
@@ -56,7 +62,14 @@ class ConnectionLimits:
             raise ValueError(f"reserved_connections must be in [1, max_connections), got {self.reserved_connections}")
         if self.max_reading_bodies < 1:
             raise ValueError(f"max_reading_bodies must be at least 1, got {self.max_reading_bodies}")
-        for name in ("header_timeout_s", "keepalive_timeout_s", "log_interval_s", "min_body_rate"):
+        for name in (
+            "header_timeout_s",
+            "keepalive_timeout_s",
+            "log_interval_s",
+            "min_body_rate",
+            "body_timeout_s",
+            "body_timeout_rate",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -69,6 +82,7 @@ class ConnectionStats:
     refused: int = 0  # closed at once: the cap was reached and no connection waited
     evicted: int = 0  # closed while waiting for a request head, to make room at the cap
     header_timeouts: int = 0  # closed because a request head did not arrive in time
+    body_timeouts: int = 0  # closed because a request body did not arrive in time
     reserve_refusals: int = 0  # requests on a reserve connection for another path than /health
 
 
@@ -172,6 +186,10 @@ class ConnectionGuard:
         self.stats.header_timeouts += 1
         self._note()
 
+    def body_timed_out(self) -> None:
+        self.stats.body_timeouts += 1
+        self._note()
+
     def refused_request(self) -> None:
         self.stats.reserve_refusals += 1
         self._note()
@@ -192,8 +210,8 @@ class ConnectionGuard:
         now, then = self.stats, self._logged
         logger.warning(
             "connection limits (%d open of %d, %d reserved for /health), since the last report: %d refused "
-            "at the cap, %d closed to make room, %d closed by the %g s header deadline, %d requests "
-            "refused on reserve connections",
+            "at the cap, %d closed to make room, %d closed by the %g s header deadline, %d closed by the "
+            "body deadline, %d requests refused on reserve connections",
             len(self._open),
             self.limits.max_connections,
             self.limits.reserved_connections,
@@ -201,6 +219,7 @@ class ConnectionGuard:
             now.evicted - then.evicted,
             now.header_timeouts - then.header_timeouts,
             self.limits.header_timeout_s,
+            now.body_timeouts - then.body_timeouts,
             now.reserve_refusals - then.reserve_refusals,
         )
         self._logged = dataclasses.replace(now)

@@ -32,6 +32,7 @@ _COUNTERS: dict[str, _Read] = {
     "refused": lambda g, _: g.stats.refused,
     "evicted": lambda g, _: g.stats.evicted,
     "header_timeout": lambda g, _: g.stats.header_timeouts,
+    "body_timeout": lambda g, _: g.stats.body_timeouts,
     "reserve_refusals": lambda g, _: g.stats.reserve_refusals,
     "paced": lambda _, b: b.stats.bodies,
     "waited": lambda _, b: b.stats.waited,
@@ -65,10 +66,10 @@ class HttpCollector(Collector):
         )
         connections = CounterMetricFamily(
             "pipeline_http_connections",
-            "connections: opened, refused at the cap, evicted, head timed out",
+            "connections: opened, refused at the cap, evicted, head or body timed out",
             labels=["outcome"],
         )
-        for outcome in ("opened", "refused", "evicted", "header_timeout"):
+        for outcome in ("opened", "refused", "evicted", "header_timeout", "body_timeout"):
             connections.add_metric([outcome], count(outcome))
         yield connections
         yield CounterMetricFamily(

@@ -1,9 +1,13 @@
-"""The aiohttp server's listening side: each connection under ``ConnectionGuard``'s bounds, and what
-aiohttp refuses on its own (malformed HTTP) answered in OpenAI's JSON shape.
+"""The aiohttp server's listening side: each connection under ``ConnectionGuard``'s bounds (a
+header deadline, then a body deadline), and what aiohttp refuses on its own (malformed HTTP, heads
+over its parser's limits) answered in OpenAI's JSON shape.
 
 ``GuardedHandler`` is aiohttp's ``RequestHandler`` (one per connection) with the guard's hooks. It
 reads three of aiohttp's internals (``_request_count``, ``_handle_request``, ``force_close``),
 stable from aiohttp 3.9 to 3.14; ``tests/pipeline/api/test_hostile_http.py`` fails if they move.
+Its bodies arrive as sent (aiohttp's inflating off): the app inflates them under a budget
+(``pipeline/api/request_body.py``). After answering a head its parser refused, it reads and drops
+what the client still sends for a while before it closes, so that the client reads the answer.
 """
 
 from __future__ import annotations
@@ -13,16 +17,18 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
+import anyio
 from aiohttp import web
-from aiohttp.http_exceptions import BadStatusLine, InvalidURLError
 from aiohttp.web_request import BaseRequest
 
+from pipeline.api.body_deadline import BodyDeadline
 from pipeline.api.body_pacing import BodyPacer, read_heads
 from pipeline.api.connections import ConnectionGuard, ConnectionLimits, Place, fitted, raise_fd_limit
+from pipeline.api.head_errors import MAX_FIELD_BYTES, MAX_HEADERS, MAX_LINE_BYTES, as_json, malformed, raw_reply
 from pipeline.api.http_metrics import exported
-from pipeline.api.replies import error_reply
 from pipeline.api.server import PIPELINE_KEY, error_response
 from pipeline.errors import InvalidRequest, Overloaded, PipelineError
 
@@ -31,31 +37,15 @@ __all__ = ["Listener", "listen"]
 logger = logging.getLogger(__name__)
 
 RESERVED_PATHS = frozenset({"/health"})
-_MESSAGE_LIMIT = 200  # characters of aiohttp's parse error quoted back (it may quote the request)
-_FRAMING_HEADERS = ("Content-Length", "Transfer-Encoding", "Content-Encoding", "Host", "Expect")
-
-
-def _raw_reply(status: int, reason: str, error: PipelineError) -> bytes:
-    """A whole response with ``Connection: close``, written before (or instead of) aiohttp's own."""
-    reply = error_reply(error)
-    head = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(reply.body)}", "Connection: close"]
-    head += [f"{name}: {value}" for name, value in reply.headers.items()]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + reply.body
-
-
-def _malformed(status: int, exc: BaseException | None, message: str | None) -> PipelineError:
-    text = (message or (str(exc) if exc is not None else "") or "malformed request").strip()
-    text = text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 3] + "..."
-    field = next((name for name in _FRAMING_HEADERS if name.lower() in text.lower()), "headers")
-    if isinstance(exc, BadStatusLine | InvalidURLError):
-        field = "request line"
-    error: PipelineError = InvalidRequest(f"malformed HTTP request: {text}", field=field, stage="http")
-    error.status = status  # an instance attribute: aiohttp's status (400 for a parse error)
-    return error
+# after a refused head, what the client still sends is read and dropped, this long and this much at
+# most, before the close: a close with unread bytes resets the connection, and a client still sending
+# its head then fails in its send and never reads the answer (seen with a 100 KB Host header)
+LINGER_S = 2.0
+LINGER_BYTES = 1024 * 1024
 
 
 class GuardedHandler(web.RequestHandler):
-    """aiohttp's per-connection protocol, admitted by the guard, under the header deadline."""
+    """aiohttp's per-connection protocol, admitted by the guard, under the header and body deadlines."""
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, bodies: BodyPacer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -64,6 +54,12 @@ class GuardedHandler(web.RequestHandler):
         self._place: Place | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._busy = False
+        # the request line of the head arriving now: its bytes so far, and whether it is whole
+        self._line_bytes = 0
+        self._line_whole = False
+        self._lingering: asyncio.Future[None] | None = None  # set while dropping bytes before the close
+        self._dropped = 0
+        self._refused_head = False  # aiohttp's parser refused the head: linger before the close
 
     @property
     def is_reserve(self) -> bool:
@@ -79,7 +75,7 @@ class GuardedHandler(web.RequestHandler):
             # a cast, not an isinstance check: another event loop's transports (uvloop's) are not
             # registered with asyncio's transport classes
             writer = cast(asyncio.WriteTransport, transport)
-            writer.write(_raw_reply(503, "Service Unavailable", error))
+            writer.write(raw_reply(503, "Service Unavailable", error))
             writer.close()
             return
         super().connection_made(transport)
@@ -89,18 +85,32 @@ class GuardedHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._place is None:
             return
+        self._stop_lingering()
         self._disarm_deadline()
         self._guard.closed(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # the head was refused and answered: drop what follows
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self._stop_lingering()
+            return
         heads = self._request_count
+        if not self._busy and not self._line_whole:  # which limit a head over them is over: 414 or 431
+            end = data.find(b"\n")
+            self._line_bytes += len(data) if end < 0 else end
+            self._line_whole = end >= 0
         super().data_received(data)
         if self._request_count > heads:
             self._disarm_deadline()
             self._guard.busy(self)
         elif data and not self._busy and self._deadline is None:
             self._arm_deadline()  # the first bytes of a head after a keep-alive pause
+
+    def eof_received(self) -> None:
+        self._stop_lingering()  # the client has sent all it will
+        super().eof_received()
 
     def evict(self) -> None:
         self._disarm_deadline()
@@ -125,8 +135,37 @@ class GuardedHandler(web.RequestHandler):
             f"the request head did not arrive whole within {timeout:g} s", field="headers", stage="http"
         )
         error.status = 408
-        self.transport.write(_raw_reply(408, "Request Timeout", error))
+        self.transport.write(raw_reply(408, "Request Timeout", error))
         self.force_close()
+
+    # -- the body deadline --------------------------------------------------------------------
+    async def read_body(self, request: BaseRequest) -> bytes:
+        """``request``'s body as sent (not inflated), under a body slot and the body deadline, which
+        runs from now: a wait for the slot counts, so a body that stalls holds its connection for a
+        bounded time however long the queue.
+
+        :raises InvalidRequest: (408) the deadline passed: answer it, and read nothing more here.
+        """
+        if not request.body_exists:
+            return await request.read()
+        limits = self._guard.limits
+        with anyio.CancelScope() as scope:
+            deadline = BodyDeadline(
+                request.content, limits.body_timeout_s, limits.body_timeout_rate, scope.cancel, self._loop
+            )
+            try:
+                return await self.bodies.read(request)
+            finally:
+                deadline.cancel()
+        self._guard.body_timed_out()  # here only when the deadline cancelled the read
+        error: PipelineError = InvalidRequest(
+            f"the request body did not arrive whole within {limits.body_timeout_s:g} s (and a second more "
+            f"per {limits.body_timeout_rate:g} bytes received)",
+            field="body",
+            stage="http",
+        )
+        error.status = 408
+        raise error
 
     # -- requests -----------------------------------------------------------------------------
     async def _handle_request(
@@ -141,11 +180,34 @@ class GuardedHandler(web.RequestHandler):
         if self.is_reserve and request.path not in RESERVED_PATHS:
             request_handler = self._refuse_on_reserve
         try:
-            return await super()._handle_request(request, start_time, request_handler)
+            answered = await super()._handle_request(request, start_time, partial(as_json, request_handler))
+            if self._refused_head:
+                await self._linger()
+            return answered
         finally:
             self._busy = False
+            self._line_bytes, self._line_whole = 0, False
             if self.transport is not None:
                 self._guard.waiting(self)  # idle until the next head: evictable, no deadline
+
+    async def _linger(self) -> None:
+        """After a refused head's answer: end our side, and read and drop what the client still
+        sends until it ends its own, for at most ``LINGER_S`` and ``LINGER_BYTES``; aiohttp closes next."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._guard.waiting(self)  # evictable meanwhile: it holds nothing
+        self._lingering = self._loop.create_future()
+        if transport.can_write_eof():
+            transport.write_eof()  # the answer is whole: the client reads it up to our end
+        try:
+            await asyncio.wait_for(self._lingering, LINGER_S)
+        except TimeoutError:
+            pass
+
+    def _stop_lingering(self) -> None:
+        if self._lingering is not None and not self._lingering.done():
+            self._lingering.set_result(None)
 
     async def _refuse_on_reserve(self, request: BaseRequest) -> web.StreamResponse:
         self._guard.refused_request()
@@ -173,7 +235,8 @@ class GuardedHandler(web.RequestHandler):
             error.status = status
         else:  # a client's garbage: no traceback, or every port scan would fill the log
             logger.debug("malformed request from %s: %s", request.remote, message or exc)
-            error = _malformed(status, exc, message)
+            error = malformed(status, exc, message, self._line_bytes)
+            self._refused_head = True
         if request.writer.output_size > 0:
             raise ConnectionError("the response has begun: no error response can follow")
         response = error_response(error)
@@ -214,7 +277,16 @@ async def listen(
 
     def connection() -> GuardedHandler:
         return GuardedHandler(
-            manager, guard, bodies, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None
+            manager,
+            guard,
+            bodies,
+            loop=loop,
+            keepalive_timeout=limits.keepalive_timeout_s,
+            access_log=None,
+            auto_decompress=False,  # the app inflates, off the loop and under a budget
+            max_line_size=MAX_LINE_BYTES,
+            max_field_size=MAX_FIELD_BYTES,
+            max_headers=MAX_HEADERS,
         )
 
     server = await loop.create_server(connection, host, port, backlog=backlog)

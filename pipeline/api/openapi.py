@@ -24,10 +24,12 @@ _ERRORS = {
     "400": "bad input; param names the field",
     "401": "missing or wrong API key",
     "404": "unknown model or route",
+    "408": "the body did not arrive within the body deadline",
     "413": "body or image over its limit",
+    "415": "a Content-Encoding other than gzip, deflate or identity",
     "422": "no answer passed its constraint",
     "429": "full; retry after Retry-After",
-    "503": "shutting down",
+    "503": "shutting down, the engine restarting, or compressed bodies over the inflate budget; Retry-After",
     "504": "a deadline passed (fetch, grammar compile)",
 }
 

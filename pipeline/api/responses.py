@@ -79,10 +79,13 @@ def chat_choice(
             ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in reader.calls
         ]
     logprobs = ChoiceLogprobs(content=token_logprobs(choice.logprobs, tokens)) if wants_logprobs else None
-    content = choice.text if choice.text or not calls else None
+    content = choice.text if choice.text or not (calls or choice.reasoning) else None
+    reasoning = choice.reasoning or None
     return Choice(
         index=choice.index,
-        message=AssistantMessage(content=content, tool_calls=calls or None),
+        message=AssistantMessage(
+            content=content, tool_calls=calls or None, reasoning_content=reasoning, reasoning=reasoning
+        ),
         finish_reason=finish_reason(choice.finish_reason, bool(calls)),
         logprobs=logprobs,
     )
@@ -103,6 +106,11 @@ class ChatStream:
         logprobs = None
         if self.wants_logprobs and delta.logprobs:
             logprobs = ChoiceLogprobs(content=token_logprobs(delta.logprobs, self.tokens))
+        if delta.is_reasoning:
+            if not delta.text and delta.finish_reason is None and logprobs is None:
+                return []  # the end tag alone: it writes neither part
+            thought = Delta(reasoning_content=delta.text, reasoning=delta.text) if delta.text else Delta()
+            return [ChunkChoice(index=delta.index, delta=thought, finish_reason=delta.finish_reason, logprobs=logprobs)]
         reader = self._readers.get(delta.index)
         if delta.is_call and reader is None:
             reader = self._readers[delta.index] = CallReader(self.arguments_key)

@@ -7,14 +7,16 @@ import logging
 import uuid
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestPayloadError
 
 from pipeline.api.auth import api_key_middleware
-from pipeline.api.body_pacing import BodyPacer
+from pipeline.api.inflate import MAX_INFLATING_BYTES, InflateBudget
 from pipeline.api.openapi import ROUTES
 from pipeline.api.replies import Reply, StreamReply, error_reply
+from pipeline.api.request_body import BODY_LIMIT_KEY, INFLATE_KEY, refusal_before_body, request_body
 from pipeline.api.routes import Api
 from pipeline.core.pipeline import Pipeline
 from pipeline.errors import InvalidRequest, MethodNotAllowed, PayloadTooLarge, PipelineError, RouteNotFound
@@ -25,10 +27,7 @@ logger = logging.getLogger(__name__)
 
 PIPELINE_KEY = web.AppKey("pipeline", Pipeline)
 API_KEY = web.AppKey("api", Api)
-BODY_LIMIT_KEY = web.AppKey("body_limit", int)
 MAX_BODY_BYTES = 64 * 1024 * 1024
-# what aiohttp decodes (br and zstd only with their packages installed: else its parser refuses them)
-_DECODED_ENCODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
 
 
 def to_response(reply: Reply) -> web.Response:
@@ -39,9 +38,9 @@ def error_response(error: PipelineError) -> web.Response:
     return to_response(error_reply(error))
 
 
-def _http_error(exc: web.HTTPException, request: web.Request) -> PipelineError:
+def http_error(exc: web.HTTPException, request: web.BaseRequest) -> PipelineError:
     """aiohttp's own refusals (no route, wrong method, body over the cap) as typed errors."""
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+    if isinstance(exc, web.HTTPRequestEntityTooLarge) and isinstance(request, web.Request):
         limit = request.app[BODY_LIMIT_KEY]
         return PayloadTooLarge(f"the request body is over the limit of {limit} bytes", field="body")
     if isinstance(exc, web.HTTPMethodNotAllowed):
@@ -49,9 +48,52 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> PipelineError:
         return MethodNotAllowed(f"{request.method} is not allowed on {request.path} (allowed: {allowed})")
     if isinstance(exc, web.HTTPNotFound):
         return RouteNotFound(f"no route {request.method} {request.path}")
-    error = PipelineError(exc.reason)
+    if isinstance(exc, web.HTTPExpectationFailed):
+        return _unmet_expectation(request)
+    error = InvalidRequest(exc.reason) if exc.status < 500 else PipelineError(exc.reason)
     error.status = exc.status  # an instance attribute: the class keeps its own
     return error
+
+
+def _unmet_expectation(request: web.BaseRequest) -> PipelineError:
+    expect = request.headers.get("Expect", "")
+    error = InvalidRequest(f"the expectation {expect!r} cannot be met; only 100-continue is", field="Expect")
+    error.status = 417  # an instance attribute: the class keeps its own
+    return error
+
+
+def _refused_early(error: PipelineError) -> web.Response:
+    """An answer before the body is read: the connection closes after it (aiohttp reads what the
+    client still sends, for a while, so that the client sees the answer)."""
+    response = error_response(error)
+    response.force_close()
+    return response
+
+
+def _spent(request: web.Request, error: PipelineError) -> web.Response:
+    """An answer on a connection whose body is broken, stalled or not coming: nothing more is read
+    from it, and it closes once the answer is written."""
+    response = error_response(error)
+    response.force_close()
+    request.protocol.close()  # its parser is fed no more bytes
+    request.content.feed_eof()  # no lingering read waits on it
+    return response
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' ``Expect`` handler: ``100 Continue`` only for a body that will be read; a 413 or
+    415 from the head alone instead; any other expectation a 417 (RFC 9110). A client that expects
+    sends no body before its answer: the connection closes at once after a refusal."""
+    if request.version != HttpVersion11:  # HTTP/1.0 knows no expectations: ignored, as aiohttp does
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return _spent(request, _unmet_expectation(request))
+    refusal = refusal_before_body(request)
+    if refusal is not None:
+        return _spent(request, refusal)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer's head is still to come
+    return None
 
 
 def new_request_id() -> str:
@@ -68,7 +110,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = error_response(_http_error(exc, request))
+        response = error_response(http_error(exc, request))
         if isinstance(exc, web.HTTPMethodNotAllowed):
             response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
         return response
@@ -114,43 +156,53 @@ async def _answer(request: web.Request) -> web.StreamResponse:
     method = "GET" if request.method == "HEAD" else request.method  # aiohttp answers HEAD on every GET route
     call = request.app[API_KEY].route(method, request.path)
     assert call is not None, f"{request.method} {request.path} is routed but not answered"
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in _DECODED_ENCODINGS:  # aiohttp would pass the body on as if it were plain
-        error = InvalidRequest(f"Content-Encoding {encoding!r} is not supported", field="Content-Encoding")
-        error.status = 415  # an instance attribute: the class keeps its own
-        return error_response(error)
-    # a connection of our listener reads bodies a few at a time (pipeline/api/body_pacing.py)
-    bodies: BodyPacer | None = getattr(request.protocol, "bodies", None)
+    refusal = refusal_before_body(request)
+    if refusal is not None:
+        return _refused_early(refusal)
+    taken = False
     try:
-        # over the cap: the middleware answers 413
-        body = await (bodies.read(request) if bodies is not None else request.read())
-    except RequestPayloadError as exc:  # a broken encoding or framing: the connection is spent
-        response = error_response(_unreadable_body(exc, request))
-        response.force_close()
-        request.content.feed_eof()  # nothing more is read from it: no lingering read raises again
-        return response
-    return await respond(request, await call(body))
+        # over the cap as sent: the middleware answers 413
+        async with request_body(request) as body:
+            taken = True
+            return await respond(request, await call(body))
+    except RequestPayloadError as exc:  # a broken encoding or framing
+        return _spent(request, _unreadable_body(exc, request))
+    except PipelineError as exc:
+        if taken:  # raised by the call: a bug, for the middleware to log
+            raise
+        # the body could not be taken: stalled, over the limit inflated, the inflate budget spent
+        return _spent(request, exc) if exc.status == 408 else error_response(exc)
 
 
 def create_app(
     pipe: Pipeline,
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_inflating_bytes: int = MAX_INFLATING_BYTES,
     api_key: str | None = None,
     protect_all: bool = False,
 ) -> web.Application:
     """The aiohttp application over a started ``Pipeline``; with ``api_key``, ``/v1/*`` requires it
-    (and every route with ``protect_all``)."""
+    (and every route with ``protect_all``). ``max_inflating_bytes``: compressed bodies' inflated
+    bytes held at once, at least ``max_body_bytes`` (``pipeline/api/inflate.py``).
+
+    :raises ValueError: ``max_inflating_bytes`` below ``max_body_bytes``.
+    """
+    if max_inflating_bytes < max_body_bytes:
+        raise ValueError(
+            f"max_inflating_bytes ({max_inflating_bytes}) must be at least max_body_bytes ({max_body_bytes})"
+        )
     middlewares: list[Middleware] = [openai_errors]
     if api_key:
         middlewares.append(api_key_middleware(api_key, protect_all=protect_all))
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[BODY_LIMIT_KEY] = max_body_bytes
+    app[INFLATE_KEY] = InflateBudget(max_inflating_bytes)
     app[PIPELINE_KEY] = pipe
     app[API_KEY] = Api(pipe)
     for route in ROUTES:  # the OpenAPI document's table: every route served is documented
         if route.method.upper() == "GET":
-            app.router.add_get(route.path, _answer)  # HEAD too: the same head, no body
+            app.router.add_get(route.path, _answer, expect_handler=expect_continue)  # HEAD too: no body
         else:
-            app.router.add_route(route.method.upper(), route.path, _answer)
+            app.router.add_route(route.method.upper(), route.path, _answer, expect_handler=expect_continue)
     return app

@@ -16,6 +16,7 @@ SCENARIOS = {
     "health": "health",
     "prep": "prep",
     "guided": "guided",
+    "forced": "forced",
     "tpot-under-load": "tpot_under_load",
     "compile": "compile",
     "schemas": "schemas",
@@ -25,7 +26,9 @@ SCENARIOS = {
     "cache": "cache",
     "scale": "scale",
     "impl": "impl",
+    "compile-model": "compile_model",
     "cadence": "cadence",
+    "bodies": "bodies",
 }
 
 

@@ -39,6 +39,8 @@ from pipeline.bench.common import (
     torch_device,
     write_outputs,
 )
+from pipeline.bench.forced import build_engines, forced_config, measure_rows
+from pipeline.bench.forced import print_results as print_forced
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.engine.factory import build_llm_engine
 from pipeline.stage_factory import build_grammar_stage
@@ -79,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_torch_arguments(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate() comparison")
+    parser.add_argument(
+        "--forced",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add bench forced's rows: the whole answer with forced tokens ÷ one token per step ÷ plain",
+    )
     parser.add_argument("--out", default=None, help="folder for guided.json and guided.png")
 
 
@@ -249,6 +257,7 @@ def run_guided(args: argparse.Namespace) -> dict[str, Any]:
         kv_block_size=16,
         # each sequence: its prompt (< 64 tokens) and steps + batch tokens
         num_kv_blocks=max(batches) * (-(-(args.steps + max(batches) + 64) // 16)),
+        forced_tokens=False,  # a decode step per token: what this scenario's TPOT is of (bench forced: with)
     )
     engine = build_llm_engine(checkpoint, config, device=device, record_timeline=True)
     spec = GrammarSpec("json_schema", guided_schema(args.steps + max(batches) + 1))
@@ -277,6 +286,13 @@ def run_guided(args: argparse.Namespace) -> dict[str, Any]:
     print("\nstep timeline (mean ms of full-batch decode steps; fill runs while the forward pass runs)")
     print_table(["run", *PARTS], [[name, *(t[p] for p in PARTS)] for name, t in timelines.items()])
     figures = {"scenario": "guided", "results": results, "machine": machine(), "load": load}
+    if args.forced:
+        forced_args = argparse.Namespace(repeats=max(1, args.repeats // 3), max_tokens=96)
+        config = forced_config(config, batches, forced_args.max_tokens)
+        engines = build_engines(checkpoint, config, device)
+        figures["forced"] = forced_rows = measure_rows(engines, checkpoint, config, batches, forced_args)
+        print(f"\nwith forced tokens ({forced_args.repeats} interleaved repeats; bench forced has the corpus too)")
+        print_forced(forced_rows, [])
 
     def plot(ax: Any) -> None:
         for name in grammars:

@@ -28,7 +28,7 @@ from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "decode_tpot", "run"]
 
 IMPLS = ("native", "transformers")
 
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_torch_arguments(parser)
 
 
-def _tpot(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> tuple[float, float]:
+def decode_tpot(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> tuple[float, float]:
     """Median wall-clock interval between full-batch decode steps of one run, and the median
     process CPU time of those intervals (less sensitive to a loaded machine than the wall clock)."""
     for i, prompt in enumerate(prompts):
@@ -83,13 +83,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(batch)
             ]
             for engine in engines.values():
-                _tpot(engine, prompts, 4, "warm")
+                decode_tpot(engine, prompts, 4, "warm")
             tpots: dict[str, list[float]] = {impl: [] for impl in IMPLS}
             cpus: dict[str, list[float]] = {impl: [] for impl in IMPLS}
             ratios, cpu_ratios = [], []
             for pair in range(args.pairs):
                 for impl in IMPLS if pair % 2 == 0 else IMPLS[::-1]:
-                    wall, cpu = _tpot(engines[impl], prompts, args.steps, f"{impl}{batch}-{pair}")
+                    wall, cpu = decode_tpot(engines[impl], prompts, args.steps, f"{impl}{batch}-{pair}")
                     tpots[impl].append(wall)
                     cpus[impl].append(cpu)
                     progress.update(1)

@@ -2,7 +2,10 @@
 
 The ``Pipeline`` says whether it accepts at all (its state); this counts the requests in the stages
 (admitted, not yet out), with the prepared requests waiting for room in the engine's command queue,
-against ``max_pending_requests`` and wakes ``wait_idle`` when none are left in the stages.
+against ``max_pending_requests`` and wakes ``wait_idle`` when none are left in the stages. Large
+requests (``template_large_request_chars``) count against ``max_large_requests`` too: the template
+stage has that many workers more than its small lane needs, so however many large requests wait for
+the large lane, small ones always find a worker.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Admission:
         self.metrics = metrics
         self.tracer = tracer
         self.num_pending = 0  # jobs admitted and not yet out of the stages
+        self.num_large = 0  # of those, the large ones (see is_large)
         self._idle = anyio.Event()
 
     def admit(self, request: ChatRequest) -> Job[PreparedRequest]:
@@ -61,7 +65,16 @@ class Admission:
                 stage="admission",
                 request_id=request.request_id,
             )
-        job = Job(request.request_id, PreparedRequest(request), on_leave=self._job_left)
+        is_large = self.is_large(request)
+        if is_large and self.num_large >= self.config.max_large_requests:
+            self.metrics.requests["refused"] += 1
+            raise Overloaded(
+                f"{self.num_large} large prompts in preparation; the limit is {self.config.max_large_requests}",
+                retry_after=self.config.retry_after_s,
+                stage="admission",
+                request_id=request.request_id,
+            )
+        job = Job(request.request_id, PreparedRequest(request, is_large=is_large), on_leave=self._job_left)
         try:
             self.preparation.admit(job)
         except anyio.WouldBlock:
@@ -70,13 +83,19 @@ class Admission:
                 "the first stage's inbox is full", retry_after=self.config.retry_after_s, stage="admission"
             ) from None
         self.num_pending += 1
+        self.num_large += is_large
         if self.tracer is not None:
             self.tracer.instant("admitted", request.request_id, images=len(request.images))
         return job
 
+    def is_large(self, request: ChatRequest) -> bool:
+        """Whether ``request`` is prepared in the template stage's large lane."""
+        return self.preparation.template.is_large(request.render_chars)
+
     def _job_left(self, job: Job[PreparedRequest]) -> None:
         self.preparation.release(job)
         self.num_pending -= 1
+        self.num_large -= job.payload.is_large
         self.metrics.jobs[job.outcome.state.value] += 1
         if self.num_pending == 0:
             self._idle.set()

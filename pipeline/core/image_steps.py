@@ -75,6 +75,7 @@ class ImageSteps:
         data: list[bytes | None] = [None] * len(refs)
         hashes = [""] * len(refs)
         limiter, keys = self.fetch.base64_limiter, self.url_keys
+        slots = self.fetch.request_slots()  # this request's share of the fetch slots
 
         async def fetch_one(i: int) -> None:
             url = refs[i].url
@@ -85,7 +86,7 @@ class ImageSteps:
                 if known is not None:
                     hashes[i] = known
                     return
-            data[i] = fetched = await self.fetch.run(url, field=refs[i].field)
+            data[i] = fetched = await self.fetch.run(url, field=refs[i].field, slots=slots)
             hashes[i] = await hash_off_loop(fetched, limiter)
             if keys is not None and digest is not None:
                 keys.put(digest, hashes[i])

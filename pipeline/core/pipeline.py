@@ -34,6 +34,7 @@ from pipeline.observability.prometheus import MetricsExporter
 from pipeline.observability.trace import Tracer
 from pipeline.protocol.completion_request import parse_completion_request
 from pipeline.protocol.request import ChatRequest, parse_chat_request
+from pipeline.protocol.request_limits import RequestLimits
 from pipeline.protocol.sampling_defaults import SamplingDefaults
 from pipeline.stage_factory import build_image_pool
 from sampling.inputs import EngineInput
@@ -253,6 +254,20 @@ class Pipeline:
             encode=self._encode_words,
             max_prompt_tokens=cfg.max_prompt_tokens,
             trust_request_chat_template=cfg.trust_request_chat_template,
+            limits=self.request_limits,
+        )
+
+    @functools.cached_property
+    def request_limits(self) -> RequestLimits:
+        """What one chat request may hold (the config's bounds, and the text a prompt cannot hold)."""
+        cfg = self.config
+        return RequestLimits(
+            max_messages=cfg.max_messages,
+            max_content_parts=cfg.max_content_parts,
+            max_tools=cfg.max_tools,
+            max_text_chars=self.preparation.template.max_text_chars,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_schema_chars=cfg.grammar_max_bytes,
         )
 
     def parse_completions(self, body: Any) -> list[ChatRequest]:

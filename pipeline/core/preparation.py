@@ -34,6 +34,7 @@ from pipeline.stage_factory import (
     build_decode_stage,
     build_encoder_cache,
     build_fetch_stage,
+    build_reasoning_format,
     build_template_stage,
     build_vision_stage,
 )
@@ -41,6 +42,8 @@ from sampling.families import family_of
 from sampling.inputs import EngineInput
 from stages.grammar import CompiledConstraint, GrammarStage
 from stages.process_pool import ImagePool
+from stages.prompt_content import check_prompt_has_content, special_token_ids
+from stages.reasoning import ReasoningFormat
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder, split_deepstack
 from vision.image_text import ImageText
@@ -57,6 +60,7 @@ class PreparedRequest:
     """What the stages fill in for one request."""
 
     request: ChatRequest
+    is_large: bool = False  # rendered in the template stage's large lane (admission decides)
     images: RequestImages = field(default_factory=RequestImages)
     prompt_ids: list[int] = field(default_factory=list)
     grammar: Outcome[CompiledConstraint | None] = field(default_factory=Outcome)  # None: unconstrained
@@ -99,6 +103,8 @@ class Preparation:
         self.decode = build_decode_stage(cfg, processor, longest, self.pool)
         image_text = ImageText.from_checkpoint(checkpoint.config, tokenizer) if processor else None
         self.template = build_template_stage(cfg, tokenizer, self.image_token_id, image_text)
+        self.special_ids = special_token_ids(tokenizer)
+        self.reasoning = build_reasoning_format(cfg, tokenizer)  # None: the model's text is all answer
         self.vision = build_vision_stage(cfg, encoder)
         self.encoder_cache = build_encoder_cache(cfg, checkpoint)
         takes_images = checkpoint.vision_config is not None  # encoded here, or (no encoder) in the engine process
@@ -146,6 +152,7 @@ class Preparation:
             "fetch_base64": self.fetch.base64_limiter,
             "decode": self.decode.limiter,
             "template": self.template.limiter,
+            "template_large": self.template.large_offload.limiter,
             "grammar": self.grammar.limiter,
             "grammar_fast": self.grammar.fast_limiter,  # llguidance compiles and grammar parses
             "loop_turns": self.turns.limiter,
@@ -173,7 +180,8 @@ class Preparation:
         steps = [
             ("fetch", self._fetch_step, cfg.fetch_concurrency),
             ("decode", self._decode_step, (cfg.num_prep_workers() if self.pool else cfg.decode_threads) * 2),
-            ("template", self._template_step, cfg.template_threads * 2),
+            # the large requests waiting for their lane hold at most max_large_requests workers
+            ("template", self._template_step, cfg.template_threads * 2 + cfg.max_large_requests),
             ("vision", self._vision_step, cfg.vision_max_batch * 2),
         ]
         # admission's bound is max_pending_requests (config.py): the first inbox must not refuse sooner
@@ -208,8 +216,16 @@ class Preparation:
         plan = request.tools
         tools = plan.tools if plan is not None else ()
         prep.prompt_ids = await self.template.run(
-            request.messages, prep.images.images, tools, request.prompt, request.prompt_field, request.template
+            request.messages,
+            prep.images.images,
+            tools,
+            request.prompt,
+            request.prompt_field,
+            request.template,
+            large=prep.is_large,
         )
+        if request.prompt is None:
+            check_prompt_has_content(prep.prompt_ids, self.special_ids, request.messages)
         if plan is not None and plan.starts_with_call and plan.format.marker is not None:
             prep.prompt_ids += self.template.marker_ids(plan.format.marker)  # the turn opens with its calls
         sampling, where = request.sampling, "messages" if request.prompt is None else request.prompt_field
@@ -296,10 +312,24 @@ class Preparation:
         if not prep.grammar.is_done:  # see grammar_overlap
             inp = self._engine_input(job, prep.compiled, ("pending", request.grammar))
             inp.grammar_pending = True
-            return PreparedInput(inp, None, prep.grammar)
+            return PreparedInput(inp, None, prep.grammar, reasoning=self._reasoning_of(inp))
         constraint = prep.grammar.get()
         source = (constraint.backend, request.grammar) if constraint is not None else None
-        return PreparedInput(self._engine_input(job, constraint.grammar if constraint else None, source), constraint)
+        inp = self._engine_input(job, constraint.grammar if constraint else None, source)
+        return PreparedInput(inp, constraint, reasoning=self._reasoning_of(inp))
+
+    def _reasoning_of(self, inp: EngineInput) -> ReasoningFormat | None:
+        """The model's reasoning tags where ``inp`` starts with reasoning, to split its answers."""
+        return self.reasoning if inp.reasoning_end is not None else None
+
+    def _reasoning_end(self, request: ChatRequest, prompt_ids: list[int]) -> int | None:
+        """The token after which the answer of a chat request to a reasoning model starts (None: it
+        starts at once: a raw completions prompt, a model that does not reason, or a prompt whose
+        template closed the reasoning already, as Qwen3's does for ``enable_thinking: false``)."""
+        reasoning = self.reasoning
+        if reasoning is None or request.prompt is not None or not reasoning.open_at_start(prompt_ids):
+            return None
+        return reasoning.end_id
 
     def _engine_input(self, job: Job[PreparedRequest], grammar: Any, source: tuple[str, Any] | None) -> EngineInput:
         prep = job.payload
@@ -317,6 +347,7 @@ class Preparation:
             grammar=grammar,
             grammar_source=source,
             grammar_trigger=self._grammar_trigger(request),
+            reasoning_end=self._reasoning_end(request, prep.prompt_ids),
             # a request sent before its compile ends gets the compile's time when it does (the handle reads it then)
             timings=job.timings if not prep.grammar.is_done else dict(job.timings),
             image_keys=prep.images.keys,

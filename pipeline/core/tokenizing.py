@@ -1,8 +1,8 @@
 """``/tokenize`` and ``/detokenize``: the template stage's rendering, without a request to decode.
 
 A conversation goes through the same ``TemplateStage.render`` a chat request does (in its worker
-thread, under its limiter), so the ids are the prompt that request would prefill; a prompt string
-is encoded as ``/v1/completions`` encodes it.
+thread, under its limiter, in the lane its size calls for), so the ids are the prompt that request
+would prefill; a prompt string is encoded as ``/v1/completions`` encodes it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 
+from pipeline.errors import PromptTooLong
 from pipeline.protocol.tokenize import TokenizeJob
 from stages.template import TemplateStage
 from stages.tokens import with_bos
@@ -25,12 +26,21 @@ async def tokenize(template: TemplateStage, job: TokenizeJob) -> list[int]:
     if job.chat is not None:
         chat = job.chat
         tools = chat.tools.tools if chat.tools is not None else ()
-        ids = await template.run(chat.messages, [], tools, None, "messages", chat.template)
+        large = template.is_large(chat.render_chars)
+        ids = await template.run(chat.messages, [], tools, None, "messages", chat.template, large=large)
         return with_bos(tokenizer, ids) if job.add_special_tokens else ids
     assert job.prompt is not None
+    large = template.is_large(len(job.prompt))
     if job.add_special_tokens:  # exactly what /v1/completions prefills for this prompt
-        return await template.run((), [], (), job.prompt, "prompt")
-    return await template.offload.run(_encode_plain, tokenizer, job.prompt)
+        return await template.run((), [], (), job.prompt, "prompt", large=large)
+    bound = template.max_text_chars
+    if bound is not None and len(job.prompt) > bound:  # as render() refuses it, before any encoding
+        raise PromptTooLong(
+            f"the prompt is {len(job.prompt)} characters, more than {template.max_prompt_tokens} tokens can hold",
+            field="prompt",
+        )
+    lane = template.large_offload if large else template.offload
+    return await lane.run(_encode_plain, tokenizer, job.prompt)
 
 
 def _encode_plain(tokenizer: Any, text: str) -> list[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import cast
+from typing import Any, cast
 
 from pipeline.config import PipelineConfig
 from pipeline.engine.client import ProcessEngine
@@ -12,6 +12,7 @@ from pipeline.engine.spec import EngineProcessSpec, SpanBuffer
 from pipeline.errors import PromptTooLong
 from pipeline.observability.trace import Tracer
 from sampling.async_engine import AsyncEngine
+from sampling.compiled import CompileMode, is_compile_wanted, use_inductor_cache
 from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
 from sampling.families import build_runner
@@ -94,6 +95,11 @@ def build_llm_engine(
             num_blocks=num_blocks,
             block_size=config.kv_block_size,
         )
+        mode = cast(CompileMode, config.compile_model)  # checked by PipelineConfig
+        if is_compile_wanted(mode, runner.device):
+            use_inductor_cache(config.cache_dir)
+            runner.compile_decode()
+            runner.warm_up_decode()  # compiles here, in the engine's start, not in a request's step
     return LLMEngine(
         cast(ModelRunner, runner),  # the engine uses only the PagedRunner interface both runners share
         TokenBytes.from_tokenizer(tokenizer_info, checkpoint.tokenizer),
@@ -109,7 +115,14 @@ def build_llm_engine(
         tracer=tracer,
         one_step_ahead=config.engine_one_step_ahead,
         prefix_caching=config.prefix_caching,
+        forced_tokens=config.forced_tokens,
+        encode=functools.partial(_encode_text, checkpoint.tokenizer),
     )
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids, no special tokens added (a grammar's forced text, tokenized)."""
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def build_process_engine(

@@ -13,7 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import InvalidRequest
-from pipeline.protocol.request import ChatRequest, check_model, request_grammar, sampling_params, truncation
+from pipeline.protocol.request import (
+    ChatRequest,
+    check_model,
+    check_stream_options,
+    request_grammar,
+    sampling_params,
+    truncation,
+)
 from pipeline.protocol.request_bodies import CompletionRequest
 from pipeline.protocol.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from pipeline.protocol.wire import decode_body
@@ -83,6 +90,7 @@ def parse_completion_request(
     """
     typed = decode_body(body, CompletionRequest)
     check_model(typed.model, model_names)
+    check_stream_options(typed)
     if typed.echo:
         raise _fail("'echo' is not supported by this server", "echo")
     if typed.suffix is not None:
@@ -114,6 +122,7 @@ def parse_completion_request(
             model=typed.model,
             template=template,
             request_id=f"{base}-{i}",
+            render_chars=len(prompt) if isinstance(prompt, str) else 0,  # token ids are not tokenized
         )
         for i, prompt in enumerate(prompts)
     ]

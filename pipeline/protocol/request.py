@@ -26,6 +26,7 @@ from pipeline.protocol.request_bodies import (
     ImageContent,
     ImageURL,
 )
+from pipeline.protocol.request_limits import DEFAULT_LIMITS, RequestLimits, check_request_bounds
 from pipeline.protocol.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from pipeline.protocol.tool_formats import ToolFormat
 from pipeline.protocol.tool_formats import tool_format as format_named
@@ -62,6 +63,9 @@ class ChatRequest:
     model: str | None = None
     template: TemplateOptions = field(default_factory=TemplateOptions)  # how the conversation is rendered
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+    # about how much rendering and tokenizing the prompt is, in characters (request_limits.RequestSize):
+    # what the template stage's lane is chosen by
+    render_chars: int = 0
 
     @property
     def images(self) -> list[ImagePart]:
@@ -90,6 +94,21 @@ def _tool_fields(message: ChatMessage, where: str) -> tuple[tuple[tuple[str, str
 
 
 def _message(message: ChatMessage, where: str, images: list[ImagePart]) -> Message:
+    parsed = _parts(message, where, images)
+    reasoning = _reasoning(message, where)
+    return dataclasses.replace(parsed, reasoning=reasoning) if reasoning is not None else parsed
+
+
+def _reasoning(message: ChatMessage, where: str) -> str | None:
+    """An assistant's earlier reasoning, under either of its names."""
+    text = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if text is not None and message.role != "assistant":
+        name = "reasoning_content" if message.reasoning_content is not None else "reasoning"
+        raise _fail("only assistant messages carry reasoning", f"{where}.{name}")
+    return text
+
+
+def _parts(message: ChatMessage, where: str, images: list[ImagePart]) -> Message:
     if message.name is not None:
         raise _fail("'name' is not supported by this server", f"{where}.name")
     calls, call_id = _tool_fields(message, where)
@@ -248,6 +267,7 @@ def sampling_params(
         allowed_token_ids=None if allowed is None else _token_ids(allowed, vocab_size, "allowed_token_ids"),
         skip_special_tokens=body.skip_special_tokens is not False,
         spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
+        max_reasoning_tokens=body.max_reasoning_tokens,
     )
 
 
@@ -299,6 +319,12 @@ def check_model(model: str | None, model_names: tuple[str, ...] | None) -> None:
         )
 
 
+def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """:raises InvalidRequest: ``stream_options`` set without ``stream: true`` (OpenAI refuses it too)."""
+    if body.stream_options is not None and not body.stream:
+        raise _fail("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
 def parse_chat_request(
     body: bytes | Any,
     *,
@@ -313,20 +339,24 @@ def parse_chat_request(
     encode: Callable[[str], list[int]] | None = None,
     max_prompt_tokens: int = 1 << 31,
     trust_request_chat_template: bool = True,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> ChatRequest:
     """Validate an OpenAI chat-completions body (JSON bytes, or the parsed object); ``model_names``:
     the names ``model`` may carry (None: any); ``tool_format``: how the model writes tool calls
     (a ``ToolFormat``, or its name in ``tool_formats.FORMATS``; None: Mistral's); ``defaults``: the
     checkpoint's sampling defaults; ``encode``: the tokenizer, for ``bad_words``;
-    ``trust_request_chat_template``: whether the body may carry its own template.
+    ``trust_request_chat_template``: whether the body may carry its own template; ``limits``: what
+    the request may hold, counted before anything else reads it.
 
     :raises InvalidRequest: naming the first offending field. :raises ModelNotFound: (404).
     """
     typed = decode_body(body, ChatCompletionRequest)
+    size = check_request_bounds(typed, limits)
     check_model(typed.model, model_names)
+    check_stream_options(typed)
     grammar = request_grammar(typed, body)
     fmt = tool_format if isinstance(tool_format, ToolFormat) else format_named(tool_format)
-    tools = plan_tools(typed, grammar is not None, fmt)
+    tools = plan_tools(typed, grammar is not None, fmt, max_schema_chars=limits.max_schema_chars)
     sampling = sampling_params(
         typed,
         default_max_tokens,
@@ -351,6 +381,7 @@ def parse_chat_request(
         include_usage=bool(typed.stream_options and typed.stream_options.include_usage),
         model=typed.model,
         template=template,
+        render_chars=size.render_chars,
     )
     if request_id is not None:
         request.request_id = request_id

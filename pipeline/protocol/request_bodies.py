@@ -96,6 +96,10 @@ class ChatMessage(_Body, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message answers this call
+    # an assistant's earlier reasoning, as a reasoning model's answer returned it (either name): a
+    # client that sends the answer's message back as it came is not refused
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(_Body, kw_only=True):
@@ -164,6 +168,8 @@ class _Sampling(_Body, kw_only=True):
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=1 << 20)] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # a reasoning model's reasoning ends (its end tag is forced) after this many tokens; its answer follows
+    max_reasoning_tokens: Annotated[int, Meta(ge=0)] | None = None
     # -1: as many as the model takes (vLLM's spelling); N: only the prompt's last N tokens
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # declared so that its refusal names it: log probabilities of the prompt's own tokens are not computed

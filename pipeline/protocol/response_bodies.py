@@ -71,6 +71,9 @@ class AssistantMessage(_Out, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # a reasoning model's reasoning, apart from its answer: vLLM's and SGLang's name, and vLLM's newer one
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class Choice(_Out, kw_only=True):
@@ -108,6 +111,8 @@ class Delta(_Out, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # a piece of the reasoning (and under vLLM's newer name)
+    reasoning: str | None = None
 
 
 class ChunkChoice(_Out, kw_only=True):

@@ -23,17 +23,19 @@ to 9 characters the same way every time, so a conversation's calls and results s
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipeline.errors import InvalidRequest
-from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolChoice
+from pipeline.errors import GrammarError, InvalidRequest
+from pipeline.protocol.request_bodies import ChatCompletionRequest, NamedToolChoice, Tool
 from pipeline.protocol.tool_formats import FORMATS, ToolFormat
 from pipeline.protocol.wire import check_depth
 from pipeline.types import GrammarSpec
 from stages.grammar.empty_schemas import empty_schema_reason
+from stages.grammar.local_refs import dangling_local_ref
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools", "template_call_id"]
 
@@ -126,14 +128,71 @@ def _calls_grammar(
     )
 
 
+def _check_names(tools: list[Tool]) -> None:
+    """:raises InvalidRequest: naming the second of two tools with one name (one pass: a set)."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise _fail(f"two tools are named {name!r}", f"tools[{i}].function.name")
+        seen.add(name)
+
+
+def _check_parameters(parameters: dict[str, Any], where: str) -> None:
+    """:raises InvalidRequest: naming ``where`` for parameters that are not an object schema, nest too
+    deep, admit no value, or hold a local ``$ref`` to nothing."""
+    if parameters.get("type", "object") != "object":
+        raise _fail("a function's parameters must be an object schema", where)
+    check_depth(parameters, where)  # before the recursive walks below
+    reason = empty_schema_reason(parameters)
+    if reason is not None:
+        # checked here, on the function's own schema: inside the call array the grammar's first mask
+        # allows "[", and the dead end came mid-answer as a 500
+        raise _fail(f"the parameters admit no value: {reason}", where)
+    dangling = dangling_local_ref(parameters)
+    if dangling is not None:
+        # here, before the parameters move under the calls schema's $defs: the compiler would name
+        # the moved path (#/$defs/f/...), which the client never wrote
+        at, ref = dangling
+        raise _fail(f"the $ref {ref!r} at {at} points at nothing in the parameters", where)
+
+
+def _check_calls_size(functions: list[tuple[str, dict[str, Any] | None]], max_chars: int) -> None:
+    """Refuse the calls' grammar on the size of the parameters it would hold, before building it.
+
+    Every function's parameters (less a top-level ``$id`` or ``$schema``, which may be dropped) appear
+    in the calls schema, so their JSON together is a lower bound on the schema's own: past
+    ``max_chars``, the schema is certainly past the grammar stage's limit on it.
+
+    :raises GrammarError: naming ``tools``.
+    """
+    total = 0
+    for name, parameters in functions:
+        kept = {k: v for k, v in (parameters or _NO_PARAMETERS).items() if k not in ("$id", "$schema")}
+        total += len(name) + len(json.dumps(kept, separators=(",", ":"), ensure_ascii=False))
+        if total > max_chars:
+            raise GrammarError(
+                f"the tools are too large: their parameters alone are more than {max_chars:,} characters of JSON, "
+                f"the limit on the calls' schema",
+                field="tools",
+                stage="admission",
+            )
+
+
 def plan_tools(
-    body: ChatCompletionRequest, has_other_constraint: bool, fmt: ToolFormat = FORMATS["mistral"]
+    body: ChatCompletionRequest,
+    has_other_constraint: bool,
+    fmt: ToolFormat = FORMATS["mistral"],
+    *,
+    max_schema_chars: int | None = None,
 ) -> ToolPlan | None:
     """The plan for ``body``'s tools in the model's call format ``fmt``; None when the answer is plain
-    text (no tools, or ``none``).
+    text (no tools, or ``none``). ``max_schema_chars``: the grammar stage's limit on a schema's JSON,
+    checked on the parameters before the calls' schema is built (None: left to the grammar stage).
 
     :raises InvalidRequest: a choice naming an unknown function, duplicate names, parameters nested
-        too deep, tool_choice without tools, or tools beside another structured-output constraint.
+        too deep or with a ``$ref`` to nothing, tool_choice without tools, or tools beside another
+        structured-output constraint. :raises GrammarError: parameters too large for the calls' schema.
     """
     choice = body.tool_choice
     if not body.tools:
@@ -142,30 +201,21 @@ def plan_tools(
         return None
     if choice == "none":
         return None
-    names = [tool.function.name for tool in body.tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise _fail(f"two tools are named {name!r}", f"tools[{i}].function.name")
+    _check_names(body.tools)
     for i, tool in enumerate(body.tools):
-        parameters = tool.function.parameters
-        if parameters is not None and parameters.get("type", "object") != "object":
-            raise _fail("a function's parameters must be an object schema", f"tools[{i}].function.parameters")
-        if parameters is not None:  # before the recursive walks below
-            check_depth(parameters, f"tools[{i}].function.parameters")
-        reason = empty_schema_reason(parameters) if parameters is not None else None
-        if reason is not None:
-            # checked here, on the function's own schema: inside the call array the grammar's
-            # first mask allows "[", and the dead end came mid-answer as a 500
-            raise _fail(f"the parameters admit no value: {reason}", f"tools[{i}].function.parameters")
+        if tool.function.parameters is not None:
+            _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
     if has_other_constraint:
         raise _fail("tools cannot be combined with another structured-output constraint", "tool_choice")
     functions = [(tool.function.name, tool.function.parameters) for tool in body.tools]
     mode: ToolMode = "auto" if choice in (None, "auto") else "required"
     if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
+        if choice.function.name not in {name for name, _ in functions}:
             raise _fail(f"no tool is named {choice.function.name!r}", "tool_choice.function.name")
         functions = [f for f in functions if f[0] == choice.function.name]
         mode = "named"
+    if max_schema_chars is not None:
+        _check_calls_size(functions, max_schema_chars)
     single = mode == "named" or body.parallel_tool_calls is False
     whole = mode == "auto" and not fmt.triggers_by_token
     grammar, call_schema = _calls_grammar(functions, fmt, single=single, whole=whole)

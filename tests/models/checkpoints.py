@@ -619,4 +619,12 @@ _VLM_BUILDERS = {
     "gemma3-vlm": build_gemma3_vlm,
     "qwen2.5-vl": _build_qwen_vl("2.5"),
     "qwen3-vl": _build_qwen_vl("3"),
+    "qwen3-thinking": lambda folder: _reasoning().build_qwen3_thinking(folder),
+    "deepseek-r1": lambda folder: _reasoning().build_deepseek_r1(folder),
 }
+
+
+def _reasoning() -> Any:
+    from tests.models import reasoning_checkpoints  # imports this module: loaded on first use
+
+    return reasoning_checkpoints

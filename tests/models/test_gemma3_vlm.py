@@ -117,6 +117,32 @@ def test_the_prompt_is_the_processors_own(folder: Path) -> None:
         stage.render((), [grid], prompt="look: <start_of_image><image_soft_token>")
 
 
+def test_typed_image_markers_are_text_and_only_images_expand(folder: Path) -> None:
+    """A client's ``<start_of_image>`` and ``<image_soft_token>`` are text: the prompt holds the image's
+    tokens and the template's markers only, as for the same turn without that text."""
+    checkpoint = Checkpoint(folder)
+    tokenizer = checkpoint.tokenizer
+    layout = ImageText.from_checkpoint(checkpoint.config, tokenizer)
+    image_ids = ImageTokenIds.from_tokenizer(tokenizer, checkpoint.image_token_id)
+    grid = PreparedImage(None, (1, 4, 4))
+    specials = {
+        tokenizer.convert_tokens_to_ids(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special
+    }
+
+    def prompt(text: str, *, sanitize: bool = True) -> list[int]:
+        stage = TemplateStage(
+            tokenizer, image_ids, max_prompt_tokens=400, threads=1, image_text=layout, sanitize_control_tokens=sanitize
+        )
+        parts = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        return stage.render(parse_chat_request({"messages": [{"role": "user", "content": parts}]}).messages, [grid])
+
+    typed, clean = prompt("typed <start_of_image> and <image_soft_token>"), prompt("typed")
+    assert [i for i in typed if i in specials] == [i for i in clean if i in specials]
+    assert typed.count(checkpoint.image_token_id) == GEMMA3_MM_TOKENS
+    with pytest.raises(InvalidRequest, match="placeholders do not match"):
+        prompt("typed <start_of_image>", sanitize=False)
+
+
 def test_the_turn_ends_at_end_of_turn(folder: Path) -> None:
     checkpoint = Checkpoint(folder)
     end_of_turn = checkpoint.tokenizer.convert_tokens_to_ids("<end_of_turn>")

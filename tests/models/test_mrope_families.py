@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -333,13 +333,17 @@ def test_the_same_tokens_and_image_under_another_grid_share_no_blocks() -> None:
     assert hashes((1, 2, 3)) == hashes((1, 2, 3))
 
 
-async def test_text_that_writes_the_image_token_is_a_400_naming_it(family_dir: FamilyDir) -> None:
+async def test_text_that_writes_the_image_token_is_text_or_a_400_naming_it(family_dir: FamilyDir) -> None:
+    """Typed ``<|image_pad|>`` is text; where control tokens are allowed, a 400 (no image for it)."""
     from pipeline.errors import InvalidRequest
 
     config = PipelineConfig(model=str(family_dir("qwen2.5-vl")), device="cpu", preparation_mode="thread")
     body = {"messages": [{"role": "user", "content": "Hi <|image_pad|> there"}], "max_tokens": 4}
     with anyio.fail_after(120):
         async with Pipeline(config, with_engine=False) as pipe:
+            image_pad = pipe.checkpoint.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            assert image_pad not in (await pipe.prepare(body)).prompt_token_ids
+        async with Pipeline(replace(config, allow_control_tokens_in_content=True), with_engine=False) as pipe:
             with pytest.raises(InvalidRequest, match="may not contain '<\\|image_pad\\|>'") as info:
                 await pipe.prepare(body)
     assert info.value.status == 400 and info.value.field == "messages"

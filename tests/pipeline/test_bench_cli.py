@@ -33,7 +33,7 @@ def test_a_scenario_that_fails_to_import_says_which_module_and_why(
     assert "pipeline.bench.no_such_module" in err and "ModuleNotFoundError" in err
 
 
-@pytest.mark.parametrize("scenario", ["prep", "guided", "ahead", "tpot-under-load", "cache"])
+@pytest.mark.parametrize("scenario", ["prep", "guided", "forced", "ahead", "tpot-under-load", "cache"])
 def test_the_model_scenarios_take_a_checkpoint_folder(scenario: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", scenario, "--help"])
@@ -66,3 +66,15 @@ def test_the_health_floor_is_an_idle_server_that_answers_and_stops() -> None:
     finally:
         idle.stop()
     assert idle.proc.exitcode is not None
+
+
+def test_forced_runs_its_three_kinds_and_reports_steps_and_shares(capsys: pytest.CaptureFixture[str]) -> None:
+    """A short run: every figure is there, and the forced answers take fewer steps than one per token."""
+    import json
+
+    args = ["bench", "forced", "--batches", "1", "--repeats", "1", "--max-tokens", "24", "--device", "cpu"]
+    assert main(args) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["scenario"] == "forced" and {r["backend"] for r in figures["results"]} == {"xgrammar", "llguidance"}
+    for row in figures["results"]:
+        assert row["steps_per_answer_forced"] < row["steps_per_answer_one"] and 0 < row["forced_share"] < 1

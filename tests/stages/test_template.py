@@ -75,12 +75,16 @@ async def test_a_text_no_prompt_could_hold_is_refused_untokenized(
     assert "characters" not in info.value.message and "tokens; at most 200" in info.value.message
 
 
-async def test_placeholder_count_must_match(stage: TemplateStage) -> None:
+async def test_placeholder_count_must_match(stage: TemplateStage, hf_tokenizer: Any) -> None:
+    """Typed "[IMG]" is text; where control tokens are allowed it is the image token, with no image for it."""
     request = parse_chat_request({"messages": [{"role": "user", "content": "sneaky [IMG] text"}]})
+    assert 10 not in await stage.run(request.messages, [])
+    layout = ImageTokenIds.from_tokenizer(hf_tokenizer, 10)
+    allowed = TemplateStage(hf_tokenizer, layout, max_prompt_tokens=200, threads=1, sanitize_control_tokens=False)
     with pytest.raises(InvalidRequest) as info:
-        await stage.run(request.messages, [])
+        await allowed.run(request.messages, [])
     assert info.type is InvalidRequest and info.value.field == "messages"
-    assert stage.limiter.borrowed_tokens == 0
+    assert allowed.limiter.borrowed_tokens == 0
 
 
 async def test_tools_calls_and_results_render_in_the_mistral_format(stage: TemplateStage, hf_tokenizer: Any) -> None:

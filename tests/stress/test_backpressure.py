@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -64,9 +65,9 @@ def gate_fetch(pipe: Pipeline) -> anyio.Event:
     release = anyio.Event()
     real_run = pipe.preparation.fetch.run
 
-    async def gated_run(url: str, *, field: str) -> bytes:
+    async def gated_run(url: str, *, field: str, **options: Any) -> bytes:
         await release.wait()
-        return await real_run(url, field=field)
+        return await real_run(url, field=field, **options)
 
     pipe.preparation.fetch.run = gated_run  # type: ignore[method-assign]
     return release

@@ -13,7 +13,7 @@ import pytest
 from pipeline import PipelineConfig
 from pipeline.api.server import create_app
 from pipeline.core.pipeline import Pipeline
-from tests.images import data_url, encode, make_image, png_header
+from tests.images import TIFF_FLOAT, data_url, encode, make_image, png_header, tiff_with_strip_offsets
 from tests.released import assert_released
 from tests.servers import serving
 
@@ -31,6 +31,8 @@ def img(url: str) -> dict[str, Any]:
 TEXT = {"type": "text", "text": "look"}
 OK = {"messages": [{"role": "user", "content": "hi"}]}
 PNG = encode(make_image(32, 32, seed=1))
+TIFF = tiff_with_strip_offsets(TIFF_FLOAT)
+MISSING_REF = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
 
 CORPUS: list[tuple[str, Any, int, str]] = [
     ("not json", b"{nope", 400, "body"),
@@ -155,7 +157,41 @@ CORPUS: list[tuple[str, Any, int, str]] = [
     ("stream not a boolean", {**OK, "stream": "true"}, 400, "stream"),
     ("last message from the assistant", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages[0].role"),
     ("prompt too long", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
-    ("text mimicking the image token", {"messages": [{"role": "user", "content": "[IMG]"}]}, 400, "messages"),
+    # typed control tokens are text, each at least one token: more of them than a prompt holds
+    (
+        "image tokens typed past the prompt's length",
+        {"messages": [{"role": "user", "content": "[IMG]" * 1100}]},
+        400,
+        "messages",
+    ),
+    # the template writes a system message only before a user's: the prompt was "<s>" alone, answered
+    ("a system message alone", {"messages": [{"role": "system", "content": "Be brief."}]}, 400, "messages"),
+    ("a TIFF whose strip offsets are a float", msg(TEXT, img(data_url(TIFF, "image/tiff"))), 400, URL),
+    ("2,049 messages", {"messages": [{"role": "user", "content": "hi"}] * 2049}, 400, "messages"),
+    (
+        "129 tools",
+        {**OK, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+        400,
+        "tools",
+    ),
+    (
+        "content parts past the bound",
+        {"messages": [{"role": "user", "content": [TEXT] * 8193}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "a tool's $ref to nothing",
+        {**OK, "tools": [{"type": "function", "function": {"name": "f", "parameters": MISSING_REF}}]},
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "text no prompt can hold",
+        {"messages": [{"role": "user", "content": "x" * (1024 * 76 * 4 + 1)}]},
+        400,
+        "messages",
+    ),
 ]
 
 
@@ -165,7 +201,13 @@ def anyio_backend() -> str:
 
 
 # the entries whose bytes reach an image decoder: a worker process's, or a thread's
-DECODED = {"text file called .png", "truncated png", "20000x20000 png", "empty image"}
+DECODED = {
+    "text file called .png",
+    "truncated png",
+    "20000x20000 png",
+    "empty image",
+    "a TIFF whose strip offsets are a float",
+}
 DECODED_CORPUS = [c for c in CORPUS if c[0] in DECODED]
 
 

@@ -18,12 +18,13 @@ from pipeline.errors import (
     DeadlineExceeded,
     EngineError,
     GrammarError,
+    ImageDecodeError,
     ImageFetchError,
     PayloadTooLarge,
     PipelineError,
     WorkerCrashed,
 )
-from tests.images import data_url, encode, image_request, make_image
+from tests.images import TIFF_FLOAT, data_url, encode, image_request, make_image, tiff_with_strip_offsets
 from tests.released import assert_released
 from tests.servers import serving
 
@@ -249,3 +250,22 @@ async def test_a_worker_crash_fails_only_that_image_and_the_pool_recovers(
     # the process's death once (with its pid), the request's failure once (with its id)
     assert len([m for m in errors if "holding an image" in m]) == 1
     assert len([m for m in errors if results[1].request_id in m]) == 1
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+async def test_a_crafted_tiff_by_http_url_is_a_400_naming_the_image(
+    pipe: Pipeline, thread_pipe: Pipeline, mode: str
+) -> None:
+    # its StripOffsets tag a FLOAT: Pillow's TypeError was a 500 "image preparation failed"
+    async def tiff(_: web.Request) -> web.Response:
+        return web.Response(body=tiff_with_strip_offsets(TIFF_FLOAT), content_type="image/tiff")
+
+    app = web.Application()
+    app.router.add_get("/strip.tiff", tiff)
+    served = pipe if mode == "process" else thread_pipe
+    async with serving(app) as base:
+        with anyio.fail_after(30):
+            (result,) = await _outcomes(served, [image_request([f"{base}/strip.tiff"], max_tokens=1)])
+    assert isinstance(result, ImageDecodeError) and result.status == 400, result
+    assert result.field == "messages[0].content[1].image_url.url" and result.stage == "decode"
+    await assert_released(served)

@@ -6,10 +6,10 @@ import time
 import zlib
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from pipeline.errors import ImageDecodeError, PayloadTooLarge
-from tests.images import encode, make_image
+from tests.images import TIFF_FLOAT, TIFF_LONG, TIFF_UNDEFINED, encode, make_image, tiff_with_strip_offsets
 from vision.image_io import decode_image, draft_size
 
 FIELD = "messages[0].content[1].image_url.url"
@@ -220,3 +220,40 @@ def test_pixel_cap_boundary() -> None:
     assert decode(data, max_pixels=1200).size == (40, 30)
     with pytest.raises(PayloadTooLarge, match="40x30 = 1200 pixels; at most 1199"):
         decode(data, max_pixels=1199)
+
+
+def test_a_hand_written_tiff_decodes() -> None:
+    assert decode(tiff_with_strip_offsets(TIFF_LONG)).getpixel((1, 1)) == (255, 255, 255)
+
+
+@pytest.mark.parametrize("field_type", [TIFF_UNDEFINED, TIFF_FLOAT])
+def test_a_tiff_whose_strip_offsets_are_not_integers_is_a_400(field_type: int) -> None:
+    # Pillow raised TypeError from inside its TIFF plugin: it left decode_image as itself, a 500
+    with pytest.raises(ImageDecodeError) as info:
+        decode(tiff_with_strip_offsets(field_type))
+    assert info.value.status == 400 and info.value.field == FIELD and info.value.stage == "decode"
+    assert "TypeError" in info.value.message
+
+
+@pytest.mark.parametrize("kind", [TypeError, OverflowError, struct.error, RecursionError, KeyError])
+def test_any_failure_inside_pillow_is_the_images_fault(monkeypatch: pytest.MonkeyPatch, kind: type) -> None:
+    data = encode(make_image(8, 8), "PNG")
+
+    def fail(self: ImageFile.ImageFile) -> None:
+        raise kind("from inside a plugin")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", fail)
+    with pytest.raises(ImageDecodeError) as info:
+        decode(data)
+    assert info.value.field == FIELD and kind.__name__ in info.value.message
+
+
+def test_memory_error_is_not_called_the_images_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = encode(make_image(8, 8), "PNG")
+
+    def fail(self: ImageFile.ImageFile) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", fail)
+    with pytest.raises(MemoryError):
+        decode(data)

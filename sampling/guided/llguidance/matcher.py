@@ -101,6 +101,13 @@ class LLGuidanceMatcher:
             return True
         return self._matcher.try_consume_tokens([token]) == 1
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next, not accepted yet: its forced text in the tokenizer's
+        canonical tokenization, less the last tokens that the text after them could merge with."""
+        if self._is_terminated or self._matcher.is_error():
+            return []
+        return list(self._matcher.compute_ff_tokens())
+
     def is_terminated(self) -> bool:
         """Whether the stop token has been accepted (the grammar was complete)."""
         return self._is_terminated

@@ -148,7 +148,8 @@ async def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
 
 # -- bodies and heads aiohttp refused or raised on ----------------------------------------------
 @pytest.mark.parametrize(
-    ("encoding", "status"), [("gzip", 400), ("deflate", 400), ("br", 400), ("x-unknown", 415), ("gzip, deflate", 415)]
+    ("encoding", "status"),
+    [("gzip", 400), ("deflate", 400), ("br", 415), ("zstd", 415), ("x-unknown", 415), ("gzip, deflate", 415)],
 )
 async def test_a_body_that_is_not_in_its_content_encoding_is_refused(
     servers: Servers, encoding: str, status: int
@@ -156,6 +157,7 @@ async def test_a_body_that_is_not_in_its_content_encoding_is_refused(
     headers = {**JSON, "Content-Encoding": encoding}
     answer = await exchange(servers.default.url, request_bytes("POST", "/v1/chat/completions", headers, CHAT))
     assert_json_error(answer, status, "Content-Encoding")
+    assert "install" not in answer.json()["error"]["message"]  # no word of a package the server lacks
     assert (await health(servers.default)).status == 200
 
 
@@ -169,7 +171,6 @@ async def test_a_compressed_body_is_read(servers: Servers) -> None:
     ("head", "field"),
     [
         ({"Content-Length": "2", "content-length": "2"}, "Content-Length"),
-        ({"X-Big": "a" * 100_000}, "headers"),
         ({"Content-Length": "-1"}, "Content-Length"),
         ({"Transfer-Encoding": "chunked, identity"}, "Transfer-Encoding"),
         ({"Bad Name": "x"}, "headers"),

@@ -1,5 +1,6 @@
 """Fuzzing the server below JSON: raw bytes at the socket level (bytes that are not UTF-8 in every
-kind of string, content and transfer encodings, odd request lines and headers).
+kind of string, content and transfer encodings, odd request lines and headers, heads over the
+parser's limits, expectations, compressed bodies whole, cut, padded and over the limit).
 
 The property: every answer is JSON, below 500 (a 4xx is OpenAI's error shape), and the server
 answers ``/health`` afterwards with everything released. The cases are drawn from a seeded
@@ -113,11 +114,79 @@ def with_odd_request_line(rng: random.Random) -> tuple[str, bytes, dict[str, byt
     return method, b"", {}
 
 
-FAMILIES: dict[str, Callable[[random.Random], tuple[str, bytes, dict[str, bytes | str]]]] = {
+def over_limits(rng: random.Random) -> tuple[str, bytes, dict[str, bytes | str], str]:
+    """A head at or over the parser's limits: the URL, a header's name or value, the number of headers."""
+    raw = json.dumps(chat_body(rng)).encode()
+    size = rng.choice([8000, 8191, 9000, 20_000, 100_000])
+    kind = rng.choice(["url", "value", "name", "host", "many"])
+    headers: dict[str, bytes | str] = dict(JSON)
+    if kind == "url":
+        return "GET", b"", {}, "/health?q=" + "a" * size
+    if kind == "value":
+        headers["X-Big"] = "v" * size
+    elif kind == "name":
+        headers["X-" + "n" * size] = "v"
+    elif kind == "host":
+        headers["Host"] = "h" * size
+    else:
+        for i in range(rng.choice([120, 129, 1000, 10_000])):
+            headers[f"X-H{i}"] = "v"
+    return "POST", raw, headers, "/v1/chat/completions"
+
+
+def with_expectation(rng: random.Random) -> tuple[str, bytes, dict[str, bytes | str]]:
+    """An ``Expect`` header, met or not, with a body whole or one too large to send."""
+    raw = json.dumps(chat_body(rng)).encode()
+    expect = rng.choice(["100-continue", "100-CONTINUE", "bogus", "100-continue, x", "\xff", "200-ok"])
+    headers: dict[str, bytes | str] = {**JSON, "Expect": expect.encode("latin-1")}
+    if rng.random() < 0.4:  # a body over the limit, never sent
+        headers["Content-Length"] = str(rng.choice([(1 << 20) + 1, 10**10, 2**63 - 1]))
+        return "POST", b"", headers
+    if rng.random() < 0.3:
+        headers["Content-Encoding"] = rng.choice(["br", "zstd", "gzip"])
+        raw = gzip.compress(raw) if headers["Content-Encoding"] == "gzip" else raw
+    return "POST", raw, headers
+
+
+def compressed(rng: random.Random) -> tuple[str, bytes, dict[str, bytes | str]]:
+    """A compressed body: whole, in members, padded, cut, trailed by junk, or a bomb over the limit."""
+    raw = json.dumps(chat_body(rng)).encode()
+    kind = rng.choice(["gzip", "members", "padded", "junk", "cut", "bomb", "nested", "raw-deflate", "chunked"])
+    encoding = "deflate" if kind == "raw-deflate" else "gzip"
+    if kind == "members":
+        body = gzip.compress(raw[:7]) + gzip.compress(raw[7:])
+    elif kind == "padded":
+        body = gzip.compress(raw) + b"\0" * rng.randrange(1, 600)
+    elif kind == "junk":
+        body = gzip.compress(raw) + rng.randbytes(rng.randrange(1, 40))
+    elif kind == "cut":
+        whole = gzip.compress(raw)
+        body = whole[: rng.randrange(1, len(whole))]
+    elif kind == "bomb":  # over the 1 MiB body limit once inflated
+        body = gzip.compress(b'{"messages": "' + b"a" * rng.choice([1 << 20, 16 << 20]) + b'"}')
+    elif kind == "nested":
+        body = gzip.compress(gzip.compress(raw))
+    elif kind == "raw-deflate":
+        packer = zlib.compressobj(wbits=-15)
+        body = packer.compress(raw) + packer.flush()
+    else:
+        body = gzip.compress(raw)
+    headers: dict[str, bytes | str] = {**JSON, "Content-Encoding": encoding}
+    if kind == "chunked":
+        headers["Transfer-Encoding"] = "chunked"
+        body = f"{len(body):x}".encode() + b"\r\n" + body + b"\r\n0\r\n\r\n"
+    return "POST", body, headers
+
+
+Made = tuple[str, bytes, dict[str, bytes | str]] | tuple[str, bytes, dict[str, bytes | str], str]
+FAMILIES: dict[str, Callable[[random.Random], Made]] = {
     "utf8": with_bad_utf8,
     "encoding": with_encoding,
     "headers": with_odd_headers,
     "method": with_odd_request_line,
+    "limits": over_limits,
+    "expect": with_expectation,
+    "compressed": compressed,
 }
 PATHS = ["/v1/chat/completions", "/health", "/v1/models", "/v1/chat/completions?x=\xff", "/nope", "//v1/models"]
 
@@ -148,8 +217,8 @@ def cases(family: str) -> list[tuple[str, bytes]]:
     rng = random.Random(f"{SEED}-{family}")
     out = []
     for i in range(NUM_CASES):
-        method, body, headers = FAMILIES[family](rng)
-        path = "/v1/chat/completions" if method == "POST" else rng.choice(PATHS)
+        method, body, headers, *chosen = FAMILIES[family](rng)
+        path = chosen[0] if chosen else "/v1/chat/completions" if method == "POST" else rng.choice(PATHS)
         raw = request_bytes(method, path, {**headers, "Connection": "close"}, body)
         out.append((f"{family}-{i}", raw))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -41,9 +42,9 @@ class FetchCount:
         fetch = pipe.preparation.fetch
         self._fetch, self._run = fetch, fetch.run
 
-        async def run(url: str, *, field: str) -> bytes:
+        async def run(url: str, *, field: str, **options: Any) -> bytes:
             self.urls.append(url)
-            return await self._run(url, field=field)
+            return await self._run(url, field=field, **options)
 
         fetch.run = run  # type: ignore[method-assign]
 

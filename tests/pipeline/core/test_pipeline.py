@@ -9,7 +9,7 @@ import pytest
 
 from pipeline import PipelineConfig
 from pipeline.core.pipeline import Pipeline
-from pipeline.errors import GrammarError, ImageDecodeError, InvalidRequest, RequestCancelled
+from pipeline.errors import GrammarError, ImageDecodeError, RequestCancelled
 from tests.images import data_url, encode, image_request, make_image
 from tests.released import assert_released
 
@@ -111,9 +111,9 @@ async def test_bad_image_fails_only_its_request(pipe: Pipeline) -> None:
     assert pipe.num_pending == 0
 
 
-async def test_text_that_mimics_the_image_token_is_refused(pipe: Pipeline) -> None:
-    with pytest.raises(InvalidRequest):
-        await pipe.prepare({"messages": [{"role": "user", "content": "look: [IMG]"}]})
+async def test_text_that_mimics_the_image_token_is_text(pipe: Pipeline) -> None:
+    prepared = await pipe.prepare({"messages": [{"role": "user", "content": "look: [IMG]"}]})
+    assert pipe.checkpoint.tokenizer.convert_tokens_to_ids("[IMG]") not in prepared.prompt_token_ids
 
 
 async def test_cancel_frees_the_engine(pipe: Pipeline) -> None:

@@ -9,7 +9,8 @@ import jsonschema
 import msgspec
 import pytest
 
-from pipeline.errors import InvalidRequest
+from pipeline.errors import GrammarError, InvalidRequest
+from pipeline.protocol import tools as tools_module
 from pipeline.protocol.request_bodies import ChatCompletionRequest
 from pipeline.protocol.tool_calls import CallReader, CallStart
 from pipeline.protocol.tools import new_call_id, plan_tools, template_call_id
@@ -172,3 +173,68 @@ def test_the_reader_reads_any_json_value_as_arguments(size: int) -> None:
         ("d", "null"),
         ("e", "1.5e3"),
     ]
+
+
+def _with_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "ref", "at"),
+    [
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}},
+            "#/definitions/missing",
+            "/properties/a",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/y"}}, "$defs": {"x": {"type": "string"}}},
+            "#/$defs/y",
+            "/properties/a",
+        ),
+        ({"type": "object", "anyOf": [{"type": "object"}, {"$ref": "#/nowhere"}]}, "#/nowhere", "/anyOf/1"),
+        ({"$ref": "#anchor", "type": "object"}, "#anchor", "/"),
+    ],
+)
+def test_a_ref_to_nothing_names_the_tools_own_parameters_and_path(
+    parameters: dict[str, Any], ref: str, at: str
+) -> None:
+    # it came from the grammar compile against "tools", with the path the parameters were moved to
+    # ("#/$defs/f/definitions/missing"), which the client never wrote
+    with pytest.raises(InvalidRequest) as caught:
+        plan_tools(body(tools=[WEATHER, _with_parameters(parameters)]), False)
+    assert caught.value.field == "tools[1].function.parameters"
+    assert f"$ref {ref!r} at {at} points at nothing" in caught.value.message
+    assert "$defs/f" not in caught.value.message
+
+
+def test_refs_that_resolve_and_refs_inside_values_pass() -> None:
+    parameters = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/definitions/x"}, "b": {"const": {"$ref": "#/not/a/reference"}}},
+        "definitions": {"x": {"type": "string"}},
+    }
+    assert plan_tools(body(tools=[_with_parameters(parameters)]), False) is not None
+
+
+def test_tools_too_large_for_the_calls_schema_are_refused_before_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 34,000 tools without parameters: the calls' schema (6.6 M characters) was built, then measured
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the calls' schema was built")
+
+    monkeypatch.setattr(tools_module, "_calls_grammar", never)
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(34_000)]
+    with pytest.raises(GrammarError) as caught:
+        plan_tools(body(tools=many), False, max_schema_chars=256 * 1024)
+    assert caught.value.field == "tools" and "262,144" in caught.value.message
+    # a named choice builds only its own function's schema: that one is measured
+    named = {"type": "function", "function": {"name": "f7"}}
+    with pytest.raises(AssertionError, match="was built"):
+        plan_tools(body(tools=many, tool_choice=named), False, max_schema_chars=256 * 1024)
+
+
+def test_duplicate_names_are_found_among_many() -> None:
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(5_000)]
+    with pytest.raises(InvalidRequest) as caught:
+        plan_tools(body(tools=[*many, {"type": "function", "function": {"name": "f123"}}]), False)
+    assert caught.value.field == "tools[5000].function.name"

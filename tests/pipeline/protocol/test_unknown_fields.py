@@ -61,6 +61,7 @@ CHAT_FIELDS: dict[str, Any] = {
     "allowed_token_ids": [5, 6, 7],
     "skip_special_tokens": False,
     "spaces_between_special_tokens": False,
+    "max_reasoning_tokens": 64,
     "truncate_prompt_tokens": 100,
     "prompt_logprobs": None,  # declared to be refused by name when set
     # the chat template's fields
@@ -104,6 +105,7 @@ def test_every_declared_field_is_accepted_and_honoured(given: Any) -> None:
     assert sampling.stop_token_ids == (7,) and sampling.allowed_token_ids == (5, 6, 7)
     assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
     assert not sampling.spaces_between_special_tokens
+    assert sampling.max_reasoning_tokens == 64
     assert request.template.kwargs == {"enable_thinking": False}
     assert request.template.chat_template == "{{ messages[0]['content'] }}"
     assert request.template.truncate_prompt_tokens == 100
