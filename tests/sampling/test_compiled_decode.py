@@ -137,7 +137,7 @@ def test_compile_model_on_compiles_the_engine_s_forward_at_its_start(
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     os.makedirs(default_cache_dir(), exist_ok=True)
-    (tmp_path / "inductor").symlink_to(default_cache_dir(), target_is_directory=True)  # the session's warm cache
+    (tmp_path / "inductor").symlink_to(default_cache_dir(), target_is_directory=True)  # the warm cache of this test run
     warm_ups = []
     warm_up = PagedRunner.warm_up_decode
     monkeypatch.setattr(PagedRunner, "warm_up_decode", lambda runner: warm_ups.append(warm_up(runner)))
