@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,11 @@ from tests.sampling.helpers import NUM_BLOCKS, SCHEMA, SEEDED, add, make_engine,
 from vision.checkpoint import Checkpoint
 
 ATOL = 1e-4
+# inductor's CPU kernels are C++: a machine without a compiler cannot build them
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cxx),
+    reason="needs a C++ compiler (inductor builds its CPU kernels with one)",
+)
 NUM_TIGHT_BLOCKS = 7  # x 16 tokens: five sequences of 2-3 blocks each cannot all fit
 
 
@@ -59,6 +65,7 @@ def _tokens(runner: PagedRunner, token_bytes: TokenBytes, tokenizer: Any, gramma
     return tokens
 
 
+@needs_compiler
 @pytest.mark.slow  # the first compile: about 20 s with an empty inductor cache, 3 s with a warm one
 def test_compiled_decode_gives_the_eager_tokens(
     runner: ModelRunner,
@@ -89,12 +96,14 @@ def _decode_both(eager: PagedRunner, compiled: PagedRunner, shapes: list[tuple[i
         torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
+@needs_compiler
 def test_any_batch_size_and_length_shares_two_graphs(runner: ModelRunner, compiled_runner: ModelRunner) -> None:
     """B = 1 has its graph (the compiler specializes size 1), every other B and key length one more."""
     _decode_both(runner, compiled_runner, [(1, 3), (2, 20), (3, 40), (1, 70), (5, 17), (8, 90), (13, 5), (2, 100)])
     assert num_compiled_graphs(ModelRunner) == 2
 
 
+@needs_compiler
 @pytest.mark.slow  # its compile: about 18 s with an empty inductor cache, 2 s with a warm one
 def test_the_adapter_compiled_gives_the_eager_logits(checkpoint: Checkpoint) -> None:
     """The adapter's decode forward (transformers' Mistral classes) traced whole around the opaque
@@ -130,6 +139,7 @@ def test_inductor_cache_goes_under_the_cache_dir_unless_named(tmp_path: Path, mo
     assert use_inductor_cache(tmp_path) == tmp_path / "elsewhere"
 
 
+@needs_compiler
 def test_compile_model_on_compiles_the_engine_s_forward_at_its_start(
     checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
