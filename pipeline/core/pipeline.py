@@ -40,6 +40,7 @@ from pipeline.stage_factory import build_image_pool
 from sampling.inputs import EngineInput
 from stages.encoder_cache import CacheStats
 from stages.process_pool import ImagePool
+from stages.tokens import text_ids
 from vision.checkpoint import Checkpoint
 from vision.encoder import VisionEncoder
 
@@ -292,7 +293,7 @@ class Pipeline:
 
     def _encode_words(self, text: str) -> list[int]:
         """``text``'s token ids without special tokens (a request's ``bad_words``: a few short words)."""
-        return list(self.checkpoint.tokenizer.encode(text, add_special_tokens=False))
+        return text_ids(self.checkpoint.tokenizer, text)
 
     def _admit(self, request: ChatRequest) -> Job[PreparedRequest]:
         if self.state is not PipelineState.ACCEPTING or self._admission is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import cast
 
 from pipeline.config import PipelineConfig
 from pipeline.engine.client import ProcessEngine
@@ -19,6 +19,7 @@ from sampling.families import build_runner
 from sampling.kv_cache import blocks_needed
 from sampling.model_runner import ModelRunner
 from sampling.paged_runner import PagedRunner
+from stages.tokens import text_ids
 from vision.checkpoint import Checkpoint
 from vision.encoder import embedding_row_bytes
 
@@ -116,13 +117,8 @@ def build_llm_engine(
         one_step_ahead=config.engine_one_step_ahead,
         prefix_caching=config.prefix_caching,
         forced_tokens=config.forced_tokens,
-        encode=functools.partial(_encode_text, checkpoint.tokenizer),
+        encode=functools.partial(text_ids, checkpoint.tokenizer),
     )
-
-
-def _encode_text(tokenizer: Any, text: str) -> list[int]:
-    """``text``'s token ids, no special tokens added (a grammar's forced text, tokenized)."""
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def build_process_engine(

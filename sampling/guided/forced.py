@@ -13,8 +13,8 @@ What each backend says:
   without the last tokens that the text after them could merge with.
 - xgrammar's ``find_jump_forward_string()``: the forced text. It is tokenized here together with the
   sequence's last two tokens, so that a boundary never splits what the tokenizer would merge: only
-  when those two tokens are what the tokenizer writes for their own text, and never the last token
-  of the forced text (the free text after it could merge with it).
+  when that tokenization starts with those two tokens, and never the last token of the forced text
+  (the free text after it could merge with it).
 
 The tokens are those the model's tokenizer writes for the forced text; a model that would have spelt
 it otherwise (``{`` then ``"name`` where the tokenizer writes ``{"`` then ``name``) sees the
@@ -77,9 +77,9 @@ class ForcedTokens:
             context = b"".join(self.token_bytes[t] for t in context_ids).decode("utf-8")
         except (UnicodeDecodeError, IndexError):  # a character split across tokens: no safe boundary
             return []
-        if self.encode(context) != context_ids:
-            return []  # the model spelt its last tokens otherwise: the tokenizer's boundary is not its
         written = self.encode(context + text)
         if written[: len(context_ids)] != context_ids:
-            return []  # the forced text merges into the tokens before it
+            # the forced text merges into the tokens before it, or the model spelt those otherwise than
+            # the tokenizer does: either way the tokenizer's boundary is not the sequence's
+            return []
         return written[len(context_ids) : -1]
