@@ -17,7 +17,7 @@ from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, InvalidURLErr
 from aiohttp.web_request import BaseRequest
 
 from pipeline.api.replies import error_reply
-from pipeline.api.server import error_response, http_error
+from pipeline.api.server import refusal_response
 from pipeline.errors import InvalidRequest, PipelineError
 
 __all__ = ["MAX_FIELD_BYTES", "MAX_HEADERS", "MAX_LINE_BYTES", "as_json", "malformed", "raw_reply"]
@@ -84,6 +84,6 @@ async def as_json(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = error_response(http_error(exc, request))
+        response = refusal_response(exc, request)
         response.force_close()
         return response

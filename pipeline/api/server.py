@@ -38,6 +38,14 @@ def error_response(error: PipelineError) -> web.Response:
     return to_response(error_reply(error))
 
 
+def refusal_response(exc: web.HTTPException, request: web.BaseRequest) -> web.Response:
+    """An aiohttp refusal (``exc``, a 4xx or 5xx) in OpenAI's JSON shape, its ``Allow`` kept for a 405."""
+    response = error_response(http_error(exc, request))
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+    return response
+
+
 def http_error(exc: web.HTTPException, request: web.BaseRequest) -> PipelineError:
     """aiohttp's own refusals (no route, wrong method, body over the cap) as typed errors."""
     if isinstance(exc, web.HTTPRequestEntityTooLarge) and isinstance(request, web.Request):
@@ -110,10 +118,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = error_response(http_error(exc, request))
-        if isinstance(exc, web.HTTPMethodNotAllowed):
-            response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
-        return response
+        return refusal_response(exc, request)
     except Exception as exc:  # a bug: a 500 in OpenAI's shape, logged once with its traceback
         request_id = new_request_id()
         logger.exception("request %s: %s %s failed", request_id, request.method, request.path)
