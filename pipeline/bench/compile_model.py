@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pipeline.bench.common import add_torch_arguments, load_average, machine, median, print_table, torch_device
 from pipeline.bench.compile_probe import count_step_ops, time_start
-from pipeline.bench.impl import decode_tpot
+from pipeline.bench.impl import interleaved_pairs
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.engine.factory import build_llm_engine
 from sampling.families import build_runner
@@ -87,19 +87,9 @@ def _tpots(checkpoint: Checkpoint, args: argparse.Namespace, device: str, progre
     results = []
     for batch in batches:
         prompts = [[1, *range(1000 + 7 * i, 1010 + 7 * i)] for i in range(batch)]
-        for engine in engines.values():  # warm: the compiled engine compiles its graphs here
-            decode_tpot(engine, prompts, 4, "warm")
-        tpots: dict[str, list[float]] = {mode: [] for mode in modes}
-        cpus: dict[str, list[float]] = {mode: [] for mode in modes}
-        ratios, cpu_ratios = [], []
-        for pair in range(args.pairs):
-            for mode in modes if pair % 2 == 0 else modes[::-1]:
-                wall, cpu = decode_tpot(engines[mode], prompts, args.steps, f"{mode}{batch}-{pair}")
-                tpots[mode].append(wall)
-                cpus[mode].append(cpu)
-                progress.update(1)
-            ratios.append(tpots["compiled"][-1] / tpots["eager"][-1])
-            cpu_ratios.append(cpus["compiled"][-1] / cpus["eager"][-1])
+        tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
+        ratios = [c / e for c, e in zip(tpots["compiled"], tpots["eager"], strict=True)]
+        cpu_ratios = [c / e for c, e in zip(cpus["compiled"], cpus["eager"], strict=True)]
         results.append(
             {
                 "batch": batch,

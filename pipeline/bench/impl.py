@@ -28,7 +28,7 @@ from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
 
-__all__ = ["add_arguments", "decode_tpot", "run"]
+__all__ = ["add_arguments", "decode_tpot", "interleaved_pairs", "run"]
 
 IMPLS = ("native", "transformers")
 
@@ -60,6 +60,25 @@ def decode_tpot(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: st
     return median(gaps), median(cpu_gaps)
 
 
+def interleaved_pairs(
+    engines: dict[str, LLMEngine], prompts: list[list[int]], steps: int, pairs: int, progress: Any
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``pairs`` runs of each of two engines, alternating which goes first, after a warm-up run each:
+    the decode TPOT and CPU seconds per token of every run, per engine name."""
+    names = list(engines)
+    for engine in engines.values():  # warm: first-step costs (a compiled engine compiles its graphs here)
+        decode_tpot(engine, prompts, 4, "warm")
+    tpots: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
+    for pair in range(pairs):
+        for name in names if pair % 2 == 0 else names[::-1]:
+            wall, cpu = decode_tpot(engines[name], prompts, steps, f"{name}{len(prompts)}-{pair}")
+            tpots[name].append(wall)
+            cpus[name].append(cpu)
+            progress.update(1)
+    return tpots, cpus
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the scenario; print its table and return ``{"scenario": "impl", "results": [...]}``."""
     load = [load_average()]
@@ -82,19 +101,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 checkpoint.tokenizer.encode(f"[INST]Write note {i} about the sea.[/INST]", add_special_tokens=False)
                 for i in range(batch)
             ]
-            for engine in engines.values():
-                decode_tpot(engine, prompts, 4, "warm")
-            tpots: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-            cpus: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-            ratios, cpu_ratios = [], []
-            for pair in range(args.pairs):
-                for impl in IMPLS if pair % 2 == 0 else IMPLS[::-1]:
-                    wall, cpu = decode_tpot(engines[impl], prompts, args.steps, f"{impl}{batch}-{pair}")
-                    tpots[impl].append(wall)
-                    cpus[impl].append(cpu)
-                    progress.update(1)
-                ratios.append(tpots["transformers"][-1] / tpots["native"][-1])
-                cpu_ratios.append(cpus["transformers"][-1] / cpus["native"][-1])
+            tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
+            ratios = [t / n for t, n in zip(tpots["transformers"], tpots["native"], strict=True)]
+            cpu_ratios = [t / n for t, n in zip(cpus["transformers"], cpus["native"], strict=True)]
             results.append(
                 {
                     "batch": batch,
