@@ -41,6 +41,7 @@ from pipeline.bench.common import (
     torch_device,
     write_outputs,
 )
+from pipeline.bench.schemas import decode_all
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.engine.factory import build_llm_engine
 from pipeline.stage_factory import build_grammar_stage
@@ -48,6 +49,7 @@ from pipeline.types import GrammarSpec
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
+from stages.grammar.backends import Compiled
 from vision.checkpoint import open_checkpoint
 
 __all__ = ["FIXED_KEYS", "add_arguments", "run"]
@@ -177,48 +179,33 @@ def _corpus(
     schemas = [json.loads(p.read_text())["schema"] for p in sorted(CORPUS_DIR.glob("*.json"))[:count]]
     rows = []
     for backend in BACKENDS:
-        grammars = []
-        for schema in schemas:
+        compiled: dict[str, Compiled] = {}
+        for i, schema in enumerate(schemas):
             try:
-                grammars.append(compilers[backend].compile(GrammarSpec("json_schema", schema)).grammar)
+                compiled[f"c{i}"] = compilers[backend].compile(GrammarSpec("json_schema", schema))
             except Exception:  # noqa: BLE001 - a refused schema is left out, as the serving 400 would
                 continue
-        runs: dict[bool, list[list[int]]] = {False: [], True: []}
-        steps: dict[bool, int] = {False: 0, True: 0}
-        forced = 0
-        for start in range(0, len(grammars), 16):
-            part = grammars[start : start + 16]
-            for force in (False, True):
-                engine = engines[force]
-                engine.timeline.clear()
-                before = engine.parts.num_forced
-                answers: dict[int, list[int]] = {}
-                for i, grammar in enumerate(part):
-                    engine.add(
-                        EngineInput(
-                            f"c-{i}", prompt, -1, None, SamplingParams(max_tokens=128, temperature=0.0), grammar
-                        )
-                    )
-                while engine.has_work():
-                    for out in engine.step():
-                        answers.setdefault(int(out.request_id.rsplit("-", 1)[1]), []).extend(out.token_ids)
-                        steps[force] += 1
-                runs[force] += [answers.get(i, []) for i in range(len(part))]
-                forced += engine.parts.num_forced - before if force else 0
+        runs: dict[bool, list[list[int]]] = {}
+        before = engines[True].parts.num_forced
+        for force in (False, True):
+            answers = decode_all(engines[force], prompt, compiled, 16, 128)
+            runs[force] = [answers[name][1] for name in compiled]
             progress.update(1)
+        forced = engines[True].parts.num_forced - before
         total = sum(map(len, runs[True]))
         same = sum(a == b for a, b in zip(runs[False], runs[True], strict=True))
         respelled = sum(respelled_only(table, a, b) for a, b in zip(runs[False], runs[True], strict=True)) - same
         rows.append(
             {
                 "backend": backend,
-                "schemas": len(grammars),
+                "schemas": len(compiled),
                 "forced_share": round(forced / max(1, total), 3),
-                "steps_per_answer_one": round(steps[False] / max(1, len(grammars)), 1),
-                "steps_per_answer_forced": round(steps[True] / max(1, len(grammars)), 1),
+                # a step writes one sampled token of each answer, and the forced ones after it
+                "steps_per_answer_one": round(sum(map(len, runs[False])) / max(1, len(compiled)), 1),
+                "steps_per_answer_forced": round((total - forced) / max(1, len(compiled)), 1),
                 "same_tokens": same,
                 "respelled_only": respelled,
-                "other": len(grammars) - same - respelled,
+                "other": len(compiled) - same - respelled,
             }
         )
     return rows
@@ -272,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     config = forced_config(PipelineConfig(model=args.model, max_model_len=1024), batches, args.max_tokens)
     engines = build_engines(checkpoint, config, device)
-    corpus_parts = 2 * -(-args.corpus // 16) if args.corpus else 0
+    corpus_parts = 2 * len(BACKENDS) if args.corpus else 0
     with tqdm(total=1 + corpus_parts, desc="forced", file=sys.stderr) as progress:
         results = measure_rows(engines, checkpoint, config, batches, args)
         progress.update(1)

@@ -40,7 +40,7 @@ from sampling.params import SamplingParams
 from stages.grammar.backends import Compiled
 from vision.checkpoint import open_checkpoint
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "decode_all", "run"]
 
 CORPUS = Path(__file__).resolve().parents[2] / "tests" / "data" / "jsonschemabench"
 OUTCOMES = ("stop+valid", "stop+invalid", "length", "error")
@@ -103,7 +103,7 @@ def _walk(grammar: Any, tokens: list[int], guided: GuidedDecoder, steps: int) ->
     return times
 
 
-def _decode_all(
+def decode_all(
     engine: LLMEngine, prompt: list[int], compiled: dict[str, Compiled], batch: int, max_tokens: int
 ) -> dict[str, tuple[str, list[int], str | None]]:
     """Greedy answers under each grammar, ``batch`` at a time: name -> (text, tokens, finish reason;
@@ -203,7 +203,7 @@ def _run_backend(
     done = _compile_corpus(compiler, corpus, args, f"compile {backend}")
     compiled, seconds = done["compiled"], done["seconds"]
     prompt = tokenizer.encode("[INST]Answer in JSON.[/INST]", add_special_tokens=False)
-    answers = _decode_all(engine, prompt, compiled, args.batch, args.max_tokens)
+    answers = decode_all(engine, prompt, compiled, args.batch, args.max_tokens)
     checked = _check_answers(answers, compiled)
     guided = GuidedDecoder(engine.runner.cfg.vocab_size, 1, torch.device("cpu"))
     fills, sources = _time_fills(compiled, corpus, answers, tokenizer, guided, args.fill_steps)

@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from pipeline.bench.forced import respelled_only
 from sampling.detokenizer import TokenBytes
 from sampling.engine import LLMEngine
 from sampling.inputs import EngineInput, SeqOutput
@@ -31,11 +32,7 @@ def add(engine: LLMEngine, request_id: str, ids: list[int], grammar: Any = None,
 
 def same_until_a_respelling(table: TokenBytes, plain: list[int], forced: list[int]) -> bool:
     """Whether ``forced`` is ``plain`` up to a point where both write the same text in other tokens."""
-    for a, b in zip(plain, forced, strict=False):
-        if a != b:
-            first, second = table.table[a], table.table[b]
-            return first.startswith(second) or second.startswith(first)
-    return len(plain) == len(forced)
+    return respelled_only(table.table, plain, forced)
 
 
 def encoder(tokenizer: Any) -> Any:
