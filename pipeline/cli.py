@@ -91,6 +91,9 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         grammar_abandon_on_shutdown=True,  # exit within --shutdown-timeout, whatever still compiles
         device=args.device,
         compile_model={None: "auto", True: "on", False: "off"}[args.compile],
+        engine_torch_threads=args.engine_threads,
+        prefill_seqs_per_step=args.prefill_seqs_per_step,
+        mixed_chunk_tokens=args.mixed_chunk_tokens,
         allow_private_networks=args.allow_private_networks,
         inline_preparation=args.inline_preparation,
         max_pending_requests=args.max_pending,
@@ -233,6 +236,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compile the decode step's model forward with torch.compile (inductor; kernels cached under the "
         "cache dir between starts); default: auto, which compiles nowhere yet (docs/benchmarks.md)",
+    )
+    s.add_argument(
+        "--engine-threads",
+        type=int,
+        default=_default("engine_torch_threads"),
+        help="torch's intra-op threads in the engine process; 0: one per core; default: 1 for a model under "
+        "50M parameters, else one per core",
+    )
+    s.add_argument(
+        "--prefill-seqs-per-step",
+        type=int,
+        default=_default("prefill_seqs_per_step"),
+        help="sequences whose prefill chunks share one forward (default: %(default)s)",
+    )
+    s.add_argument(
+        "--mixed-chunk-tokens",
+        type=int,
+        default=_default("mixed_chunk_tokens"),
+        help="running decodes join a prefill step of at most this many tokens; 0: never (default: %(default)s)",
     )
     s.add_argument(
         "--grammar-backend",

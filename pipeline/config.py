@@ -193,13 +193,13 @@ class PipelineConfig:
     # (tpot-under-load) reach the engine slower than alternation allows, and show no gain: 1.
     decode_steps_per_prefill: int = 1
     # How many sequences' prefill chunks one step may run in one forward, within the chunk's token
-    # budget (sampling/prefill_batching.py). A burst of short prompts (prefix-cache hits of a popular
-    # image, ~17 tokens each) then costs a few steps instead of one each: the burst is served sooner,
-    # but on the 2-core CPU a prefill's cost is mostly its own compute (attention over the cached
-    # prompt), not the step's dispatch, so sharing a forward does not make it cheaper for the decodes
-    # it delays (bench tpot-under-load --burst-tokens 1 --prefill-seqs-per-step N --mixed-chunk-tokens
-    # T measures both). 1: one sequence a prefill step.
-    prefill_seqs_per_step: int = 1
+    # budget (sampling/prefill_batching.py); 1: one sequence a prefill step. A real model's step is
+    # mostly reading its weights, which a batch of prompts shares: SmolLM2-135M served 16 concurrent
+    # requests at 0.93x transformers' batched generate with 1, 1.18x with 32 (bench served, 2 cores).
+    # On the embedded model a prefill's cost is its own compute, so the decodes a batch delays gain
+    # nothing: bench tpot-under-load, 2 runs each, 1 / 32: TPOT p50 ratio 1.03-1.09 / 0.99-1.28, p99
+    # 1.24-2.20 / 1.47-1.74 (docs/benchmarks.md).
+    prefill_seqs_per_step: int = 32
     # Running decodes join a prefill step whose chunks are at most this many tokens, in one forward
     # (a mixed step, as vLLM v1 schedules them), which then prefills at most this many tokens; a decode
     # row is padded to the longest chunk in attention. 0: never (see prefill_seqs_per_step).
@@ -225,11 +225,13 @@ class PipelineConfig:
     # a CPU included), not a compile
     engine_step_timeout_s: float = 60.0
     engine_start_timeout_s: float = 300.0  # process mode: loading the model in a new engine process
-    # process mode: torch's intra-op threads in the engine process; 0: torch's default (one per core).
-    # 1 measured here (2 cores shared with other work, the tiny model on the CPU): one decode's TPOT
-    # 3.5 ms with 1 thread, 48-97 ms with 2, whose OpenMP workers spin against each other and the
-    # serving process; the engine thread in thread mode: 5.6-7.5 ms
-    engine_torch_threads: int = 1
+    # process mode: torch's intra-op threads in the engine process; 0: torch's default (one per core);
+    # None: by the model's size (pipeline/engine/threads.py): 1 for a model under 50M parameters, whose
+    # ops are too small to share (the embedded model, 2 shared cores: one decode's TPOT 3.5 ms with 1
+    # thread, 48-97 ms with 2, whose OpenMP workers spin against each other and the serving process),
+    # one per core above (SmolLM2-135M served, bench served: 0.54x transformers' generate with 1
+    # thread, 0.89x with 2)
+    engine_torch_threads: int | None = None
     # The engine process's niceness (engine_mode "process"; -20..19, 0: the serving process's). Below 0
     # the decode loop takes a core ahead of the serving process's per-request work and the
     # preparation workers when they contend (it needs CAP_SYS_NICE; without it the engine logs a
@@ -302,8 +304,8 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.preparation_mode must be process or thread, got {self.preparation_mode!r}"
             )
-        if self.engine_torch_threads < 0:
-            raise ValueError("PipelineConfig.engine_torch_threads must be >= 0")
+        if self.engine_torch_threads is not None and self.engine_torch_threads < 0:
+            raise ValueError("PipelineConfig.engine_torch_threads must be None or >= 0")
         if self.mixed_chunk_tokens < 0:
             raise ValueError(f"PipelineConfig.mixed_chunk_tokens must be >= 0, got {self.mixed_chunk_tokens}")
         if not -20 <= self.engine_process_nice <= 19:

@@ -63,6 +63,8 @@ def checkpoint_text_config(model: Any) -> Any:
 class HFModelRunner(PagedRunner):
     """Owns the transformers model and the KV cache; every call is synchronous and runs on ``device``."""
 
+    model: Any  # transformers' model class of the checkpoint (load_hf_model)
+
     def __init__(
         self,
         checkpoint: Checkpoint,

@@ -19,6 +19,8 @@ _HEAD_PREFIXES = ("language_model.lm_head.", "lm_head.")
 class ModelRunner(PagedRunner):
     """Owns the weights and the KV cache; every call is synchronous and runs on ``device``."""
 
+    model: MistralLM
+
     def __init__(
         self,
         checkpoint: Checkpoint,

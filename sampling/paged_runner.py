@@ -54,6 +54,7 @@ class PagedRunner:
     """The KV cache and the step inputs of a runner; subclasses add the model and its forward."""
 
     cfg: ModelShape
+    model: torch.nn.Module  # the language model
     embed_tokens: Callable[[torch.Tensor], torch.Tensor]  # the model's token embedding
 
     def __init__(self, checkpoint: Checkpoint, *, device: str, max_model_len: int, block_size: int) -> None:
@@ -111,6 +112,12 @@ class PagedRunner:
             assert is_image is not None, "a chunk with image rows has its image mask"
             embeds[is_image] = image_rows.to(self.device, self.dtype)
         return embeds
+
+    @property
+    def num_parameters(self) -> int:
+        """The model's parameters: the language model's, its embedding and head included (and the
+        vision tower's where the runner holds the whole model: the adapter)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     @property
     def kv_block_bytes(self) -> int:

@@ -29,6 +29,7 @@ SCENARIOS = {
     "compile-model": "compile_model",
     "cadence": "cadence",
     "bodies": "bodies",
+    "served": "served",
 }
 
 

@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import http.client
 import socket
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -25,9 +23,9 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
-import psutil
 
 from pipeline.bench.common import load_average, machine, print_table, write_outputs
+from pipeline.bench.server_process import ServerProcess
 
 __all__ = ["add_arguments", "run"]
 
@@ -60,41 +58,6 @@ def chat_gzip(inflated_bytes: int) -> bytes:
     return _gzip_stream(prefix, fill, max(1, inflated_bytes // _MB), suffix)
 
 
-class _Server:
-    """``python -m pipeline serve`` in a child process, its RSS sampled on a thread."""
-
-    def __init__(self, extra: list[str]) -> None:
-        args = [sys.executable, "-m", "pipeline", "serve", "--port", "0", *extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("serving"):
-                self.base = line.rsplit(" ", 1)[-1].strip()
-                break
-        else:
-            raise RuntimeError("the server did not start")
-        self.process = psutil.Process(self.proc.pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._sampler = threading.Thread(target=self._sample, daemon=True)
-        self._sampler.start()
-
-    def rss(self) -> int:
-        return int(self.process.memory_info().rss)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.rss())
-
-    def reset_peak(self) -> None:
-        self.peak = self.rss()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-
-
 async def _post_all(base: str, body: bytes, count: int) -> tuple[Counter[int], float]:
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     timeout = aiohttp.ClientTimeout(total=600)
@@ -123,7 +86,7 @@ def _probe_health(base: str, stop: threading.Event, waits: list[float]) -> None:
     conn.close()
 
 
-def _bomb(server: _Server, compressed_mb: float) -> dict[str, Any]:
+def _bomb(server: ServerProcess, compressed_mb: float) -> dict[str, Any]:
     inflated_mb = max(1, round(compressed_mb * 1024))  # a MiB of one character deflates to about 1 KiB
     body = chat_gzip(inflated_mb * _MB)
     stop, waits = threading.Event(), list[float]()
@@ -174,7 +137,7 @@ def _stalls(base: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     body = chat_gzip(int(args.inflated_mb * _MB))
-    server = _Server(args.serve_args.split())
+    server = ServerProcess(args.serve_args.split())
     figures: dict[str, Any] = {"machine": machine(), "body_kb": round(len(body) / 1024, 1)}
     rows = []
     try:

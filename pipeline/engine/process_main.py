@@ -21,6 +21,7 @@ from pipeline.engine.factory import build_llm_engine
 from pipeline.engine.images import EngineImages
 from pipeline.engine.server import EngineServer
 from pipeline.engine.spec import SpanBuffer
+from pipeline.engine.threads import engine_threads
 from pipeline.engine.wire import ENCODER, Fatal, FrameReader, Ready, frame
 from vision.checkpoint import Checkpoint
 from vision.child_process import die_with_parent
@@ -61,13 +62,14 @@ def main(fd: int) -> None:
     parent_pid, spec, arena_fd = pickle.loads(_first_frame(sock, FrameReader()))
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
-    if spec.config.engine_torch_threads:
-        torch.set_num_threads(spec.config.engine_torch_threads)
     _set_niceness(spec.config.engine_process_nice)
     try:
         checkpoint = Checkpoint(Path(spec.checkpoint_path))
         spans = SpanBuffer() if spec.trace else None
         engine = build_llm_engine(checkpoint, spec.config, device=spec.device, tracer=spans)
+        threads = engine_threads(spec.config.engine_torch_threads, engine.runner.num_parameters)
+        if threads:
+            torch.set_num_threads(threads)
         arena = EngineArena.attach(arena_fd) if arena_fd is not None else None
         images = None
         if spec.encodes:

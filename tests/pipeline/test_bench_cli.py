@@ -42,12 +42,12 @@ def test_the_model_scenarios_take_a_checkpoint_folder(scenario: str, capsys: pyt
 
 
 def test_ahead_runs_and_refuses_too_few_steps_for_its_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    """Prefills are admitted one a step: with fewer steps than the batch needs to be admitted, no step
-    holds every sequence twice in a row, and the scenario says so rather than dividing by zero."""
+    """One token a sequence (its prefill's) gives no two steps in a row that hold the whole batch: the
+    scenario says so rather than dividing by zero."""
     assert main(["bench", "ahead", "--batches", "2", "--steps", "12", "--pairs", "1", "--device", "cpu"]) == 0
     assert '"scenario": "ahead"' in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="no two full-batch steps in a row at batch 8"):
-        main(["bench", "ahead", "--batches", "8", "--steps", "3", "--pairs", "1", "--device", "cpu"])
+        main(["bench", "ahead", "--batches", "8", "--steps", "1", "--pairs", "1", "--device", "cpu"])
 
 
 def test_the_checkpoint_command_lists_its_presets(capsys: pytest.CaptureFixture[str]) -> None:
