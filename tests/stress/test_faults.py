@@ -212,6 +212,9 @@ async def test_engine_step_raising_for_one_sequence(
         return real(token_ids, *args, **kwargs)
 
     monkeypatch.setattr(runner, "prefill", prefill)
+    # a step that raises fails every sequence it holds: one prefill a step, so that the poisoned one's
+    # step holds it alone (batched, its neighbours would share its fault)
+    monkeypatch.setattr(pipe.engine.engine.scheduler, "max_prefill_seqs", 1)
     bodies = [
         {"messages": [{"role": "user", "content": t}], "max_tokens": 4, "ignore_eos": True}
         for t in ("fine", "POISONED", "also")
