@@ -54,7 +54,7 @@ class PagedRunner:
     """The KV cache and the step inputs of a runner; subclasses add the model and its forward."""
 
     cfg: ModelShape
-    model: torch.nn.Module  # the language model
+    model: torch.nn.Module  # the model it runs (the adapter: transformers' whole model, vision tower included)
     embed_tokens: Callable[[torch.Tensor], torch.Tensor]  # the model's token embedding
 
     def __init__(self, checkpoint: Checkpoint, *, device: str, max_model_len: int, block_size: int) -> None:

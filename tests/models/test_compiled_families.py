@@ -5,7 +5,7 @@ opaque paged attention (a graph break would fail the compile)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,14 @@ from vision.checkpoint import Checkpoint
 # (family, M-RoPE offset of the decode rows: the step carries M-RoPE positions when it is not 0)
 CASES = [("gemma2", 0), ("gemma3", 0), ("qwen3", 0), ("qwen2.5-vl", -7)]
 LENGTHS = (70, 9, 41)  # rows of different lengths, past Gemma's sliding window in the first
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_graphs() -> Iterator[None]:
+    """The compiler keeps its graphs per function for the whole process, every runner class's
+    together: each family's would count against the other tests' graph bounds."""
+    yield
+    torch._dynamo.reset()
 
 
 @needs_compiler
