@@ -137,9 +137,9 @@ def _attend_masked(
     v_cache.index_copy_(0, slot_mapping, value)
     # keys, values: [B, kv_heads, L, D] gathered through the block tables (index_select: on the CPU
     # a third of the time of indexing with the [B, L] tensor, which goes through the general index kernel)
-    gathered = (*key_slots.shape, *k_cache.shape[1:])
-    keys = k_cache.index_select(0, key_slots.reshape(-1)).view(gathered).transpose(1, 2)
-    values = v_cache.index_select(0, key_slots.reshape(-1)).view(gathered).transpose(1, 2)
+    slots, gathered = key_slots.reshape(-1), (*key_slots.shape, *k_cache.shape[1:])
+    keys = k_cache.index_select(0, slots).view(gathered).transpose(1, 2)
+    values = v_cache.index_select(0, slots).view(gathered).transpose(1, 2)
     if softcap is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     # soft-capped scores (Gemma 2): tanh before the mask, as transformers' eager attention does

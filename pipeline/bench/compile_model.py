@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pipeline.bench.common import add_torch_arguments, load_average, machine, median, print_table, torch_device
+from pipeline.bench.common import add_torch_arguments, load_average, machine, print_table, torch_device
 from pipeline.bench.compile_probe import count_step_ops, time_start
-from pipeline.bench.impl import interleaved_pairs
+from pipeline.bench.impl import interleaved_pairs, pair_figures
 from pipeline.config import PipelineConfig, default_cache_dir
 from pipeline.engine.factory import build_llm_engine
 from sampling.families import build_runner
@@ -88,21 +88,7 @@ def _tpots(checkpoint: Checkpoint, args: argparse.Namespace, device: str, progre
     for batch in batches:
         prompts = [[1, *range(1000 + 7 * i, 1010 + 7 * i)] for i in range(batch)]
         tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
-        ratios = [c / e for c, e in zip(tpots["compiled"], tpots["eager"], strict=True)]
-        cpu_ratios = [c / e for c, e in zip(cpus["compiled"], cpus["eager"], strict=True)]
-        results.append(
-            {
-                "batch": batch,
-                "tpot_ms_eager": round(median(tpots["eager"]) * 1000, 3),
-                "tpot_ms_compiled": round(median(tpots["compiled"]) * 1000, 3),
-                "ratio": round(median(ratios), 3),
-                "ratio_min": round(min(ratios), 3),
-                "ratio_max": round(max(ratios), 3),
-                "cpu_ratio": round(median(cpu_ratios), 3),
-                "cpu_ratio_min": round(min(cpu_ratios), 3),
-                "cpu_ratio_max": round(max(cpu_ratios), 3),
-            }
-        )
+        results.append({"batch": batch, **pair_figures(tpots, cpus, "compiled", "eager")})
     return results
 
 

@@ -28,7 +28,7 @@ from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
 
-__all__ = ["add_arguments", "decode_tpot", "interleaved_pairs", "run"]
+__all__ = ["add_arguments", "decode_tpot", "interleaved_pairs", "pair_figures", "run"]
 
 IMPLS = ("native", "transformers")
 
@@ -79,6 +79,24 @@ def interleaved_pairs(
     return tpots, cpus
 
 
+def pair_figures(
+    tpots: dict[str, list[float]], cpus: dict[str, list[float]], top: str, bottom: str
+) -> dict[str, float]:
+    """One batch's figures from ``interleaved_pairs``: each engine's median TPOT and CPU time per step
+    (``tpot_ms_NAME``, ``cpu_ms_NAME``), and over the pairs the median, min and max of ``top`` ÷
+    ``bottom`` in the same pair, wall clock (``ratio``) and CPU time (``cpu_ratio``)."""
+    figures: dict[str, float] = {}
+    for kind, times in (("tpot", tpots), ("cpu", cpus)):
+        for name in (bottom, top):
+            figures[f"{kind}_ms_{name}"] = round(median(times[name]) * 1000, 3)
+        ratios = [t / b for t, b in zip(times[top], times[bottom], strict=True)]
+        prefix = "" if kind == "tpot" else "cpu_"
+        figures[f"{prefix}ratio"] = round(median(ratios), 3)
+        figures[f"{prefix}ratio_min"] = round(min(ratios), 3)
+        figures[f"{prefix}ratio_max"] = round(max(ratios), 3)
+    return figures
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the scenario; print its table and return ``{"scenario": "impl", "results": [...]}``."""
     load = [load_average()]
@@ -102,23 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(batch)
             ]
             tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
-            ratios = [t / n for t, n in zip(tpots["transformers"], tpots["native"], strict=True)]
-            cpu_ratios = [t / n for t, n in zip(cpus["transformers"], cpus["native"], strict=True)]
-            results.append(
-                {
-                    "batch": batch,
-                    "tpot_ms_native": round(median(tpots["native"]) * 1000, 3),
-                    "tpot_ms_transformers": round(median(tpots["transformers"]) * 1000, 3),
-                    "ratio": round(median(ratios), 3),
-                    "ratio_min": round(min(ratios), 3),
-                    "ratio_max": round(max(ratios), 3),
-                    "cpu_ms_native": round(median(cpus["native"]) * 1000, 3),
-                    "cpu_ms_transformers": round(median(cpus["transformers"]) * 1000, 3),
-                    "cpu_ratio": round(median(cpu_ratios), 3),
-                    "cpu_ratio_min": round(min(cpu_ratios), 3),
-                    "cpu_ratio_max": round(max(cpu_ratios), 3),
-                }
-            )
+            results.append({"batch": batch, **pair_figures(tpots, cpus, "transformers", "native")})
     load.append(load_average())
     print(
         f"\nimpl: {args.steps} tokens per sequence, greedy, {args.pairs} interleaved pairs per batch, {device}, "
