@@ -91,6 +91,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         grammar_abandon_on_shutdown=True,  # exit within --shutdown-timeout, whatever still compiles
         device=args.device,
         compile_model={None: "auto", True: "on", False: "off"}[args.compile],
+        decode_buffers=args.decode_buffers,
         engine_torch_threads=args.engine_threads,
         prefill_seqs_per_step=args.prefill_seqs_per_step,
         mixed_chunk_tokens=args.mixed_chunk_tokens,
@@ -236,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compile the decode step's model forward with torch.compile (inductor; kernels cached under the "
         "cache dir between starts); default: auto, which compiles nowhere yet (docs/benchmarks.md)",
+    )
+    s.add_argument(
+        "--decode-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=_default("decode_buffers"),
+        help="decode steps read their inputs from tensors allocated once, batches padded to buckets "
+        "(what a CUDA graph replays; default: off)",
     )
     s.add_argument(
         "--engine-threads",

@@ -37,6 +37,11 @@ class PipelineConfig:
     # or "auto" (on where it was measured to pay: nowhere yet; on this CPU it did not, docs/benchmarks.md).
     # Compiled kernels are kept under cache_dir/inductor ($TORCHINDUCTOR_CACHE_DIR wins) between starts.
     compile_model: str = "auto"
+    # Decode steps read their inputs (token ids, positions, block tables) from tensors allocated once,
+    # each batch padded to a bucket of rows and of key blocks (sampling/decode_buffers.py): what a
+    # CUDA graph replays. Same tokens either way; off: on the CPU there is no graph to replay and the
+    # padding only costs (docs/benchmarks.md).
+    decode_buffers: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     # -- admission --

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from sampling.ahead import OneStepAhead
+from sampling.decode_buffers import DecodeBuffers
 from sampling.detokenizer import TokenBytes
 from sampling.guided.decoder import GuidedDecoder
 from sampling.guided.forced import ForcedTokens
@@ -59,10 +60,13 @@ class LLMEngine:
         lazy_mask: bool = True,
         encode: Callable[[str], list[int]] | None = None,
         forced_tokens: bool = False,
+        decode_buffers: bool = False,
     ) -> None:
         """``forced_tokens``: write what a grammar forces without a step per token
         (sampling/guided/forced.py); ``encode``: text to token ids without special tokens, which
-        xgrammar's forced text needs (without it, only llguidance's matchers force)."""
+        xgrammar's forced text needs (without it, only llguidance's matchers force);
+        ``decode_buffers``: decode steps read their inputs from tensors allocated once, padded to
+        buckets (sampling/decode_buffers.py)."""
         self.runner = runner
         self.token_bytes = token_bytes
         self.scheduler = Scheduler(
@@ -97,6 +101,15 @@ class LLMEngine:
             record_timeline=record_timeline,
             tracer=tracer,
             forced=ForcedTokens(token_bytes.table, encode, eos_token_ids) if forced_tokens else None,
+            buffers=DecodeBuffers(
+                max_rows=max_running * 2,
+                max_model_len=runner.max_model_len,
+                block_size=runner.block_size,
+                pad_block=runner.pad_block,
+                device=runner.device,
+            )
+            if decode_buffers
+            else None,
         )
         # the decode loop one step ahead; None: the synchronous loop
         self.ahead = OneStepAhead(self.parts) if one_step_ahead else None

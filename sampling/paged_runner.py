@@ -66,14 +66,18 @@ class PagedRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pad_block = 0  # the block past the sequences' (``_allocate``)
         # the decode forward compiled (``compile_decode``); None: eager
         self.compiled_decode: Callable[[torch.Tensor, AttentionBatch], torch.Tensor] | None = None
 
     def _allocate(self, num_blocks: int) -> None:
+        """The KV cache: ``num_blocks`` blocks for sequences and one more, the pad block, which no
+        sequence is given: padding rows (sampling/decode_buffers.py) and warm-up steps write there."""
         cfg = self.cfg
+        self.pad_block = num_blocks
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers,
-            num_blocks,
+            num_blocks + 1,
             self.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -254,7 +258,6 @@ class PagedRunner:
     def warm_up_decode(self) -> None:
         """Run a decode step at B = 1 and at B = 2, so that each graph of a compiled forward compiles
         now (a start) rather than in a request's first steps, where it would count against the step
-        timeout. Writes junk K/V into the first slots of block 0, which no sequence holds yet and whose
-        slots any later sequence writes before it reads them."""
+        timeout. Writes junk K/V into the pad block, which no sequence holds."""
         for size in (1, 2):
-            self.decode([0] * size, self.decode_inputs(list(range(size)), [[0]] * size))
+            self.decode([0] * size, self.decode_inputs(list(range(size)), [[self.pad_block]] * size))

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from sampling.decode_buffers import DecodeBuffers
 from sampling.guided.decoder import GrammarUnavailable, refusal
 from sampling.guided.forced import ForcedTokens
 from sampling.guided.step_grammar import StepGrammar
@@ -67,6 +68,7 @@ class StepParts:
         record_timeline: bool = False,
         tracer: Any = None,
         forced: ForcedTokens | None = None,
+        buffers: DecodeBuffers | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -82,6 +84,9 @@ class StepParts:
         # token per step); the one-step-ahead loop commits with none (its next step is launched by then)
         self.forced = forced
         self.num_forced = 0  # tokens written so (a counter for tests and benchmarks)
+        # the decode steps' inputs in tensors allocated once, batches padded to buckets (what a CUDA
+        # graph replays); None: each step's inputs built afresh at its own size (decode_inputs)
+        self.buffers = buffers
 
     def schedule(self) -> tuple[PrefillStep | PrefillBatch | DecodeStep | None, list[SeqOutput]]:
         """The next step (None: nothing can run), and the outputs of the sequences failed as unfit on the way."""
@@ -200,6 +205,9 @@ class StepParts:
     ) -> torch.Tensor:
         """The decode forward of ``ids`` at ``positions``: its inputs are built beside it, on the same thread.
         ``rope_deltas``: each row's M-RoPE offset (its RoPE position is its position plus it)."""
+        if self.buffers is not None:  # the padded step, its padding rows' logits dropped
+            padded_ids, batch = self.buffers.view(self.buffers.load(ids, positions, tables, rope_deltas))
+            return self.runner.decode(padded_ids, batch)[: len(positions)]
         batch = self.runner.decode_inputs(positions, tables)
         if rope_deltas is not None and any(rope_deltas):
             rope = torch.tensor([p + d for p, d in zip(positions, rope_deltas, strict=True)])

@@ -27,6 +27,7 @@ SCENARIOS = {
     "scale": "scale",
     "impl": "impl",
     "compile-model": "compile_model",
+    "decode-buffers": "decode_buffers",
     "cadence": "cadence",
     "bodies": "bodies",
     "served": "served",

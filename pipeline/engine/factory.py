@@ -117,6 +117,7 @@ def build_llm_engine(
         one_step_ahead=config.engine_one_step_ahead,
         prefix_caching=config.prefix_caching,
         forced_tokens=config.forced_tokens,
+        decode_buffers=config.decode_buffers,
         encode=functools.partial(text_ids, checkpoint.tokenizer),
     )
 

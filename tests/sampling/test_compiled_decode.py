@@ -20,6 +20,7 @@ from pipeline.config import PipelineConfig
 from pipeline.engine.factory import build_llm_engine
 from pipeline.types import GrammarSpec
 from sampling.compiled import num_compiled_graphs, use_inductor_cache
+from sampling.decode_buffers import DecodeBuffers
 from sampling.detokenizer import TokenBytes
 from sampling.hf_adapter import HFModelRunner
 from sampling.model_runner import ModelRunner
@@ -98,8 +99,21 @@ def _decode_both(eager: PagedRunner, compiled: PagedRunner, shapes: list[tuple[i
 
 @needs_compiler
 def test_any_batch_size_and_length_shares_two_graphs(runner: ModelRunner, compiled_runner: ModelRunner) -> None:
-    """B = 1 has its graph (the compiler specializes size 1), every other B and key length one more."""
+    """B = 1 has its graph (the compiler specializes size 1), every other B and key length one more;
+    the padded steps of decode buffers run on the same two."""
     _decode_both(runner, compiled_runner, [(1, 3), (2, 20), (3, 40), (1, 70), (5, 17), (8, 90), (13, 5), (2, 100)])
+    assert num_compiled_graphs(ModelRunner) == 2
+    buffers = DecodeBuffers(
+        max_rows=16, max_model_len=4096, block_size=16, pad_block=compiled_runner.pad_block, device=runner.device
+    )
+    for size, first in [(1, 3), (3, 40), (5, 17), (13, 5)]:  # the rows prefilled above: 1, 4, 8 and 16 padded
+        tables = [list(range(row * 8, row * 8 + 8)) for row in range(size)]
+        positions = [first + 3 * row for row in range(size)]
+        ids = list(range(100, 100 + size))
+        expected = runner.decode(ids, runner.decode_inputs(positions, tables))
+        with torch.inference_mode():
+            padded = compiled_runner.decode(*buffers.view(buffers.load(ids, positions, tables)))
+        torch.testing.assert_close(padded[:size], expected, atol=ATOL, rtol=0)
     assert num_compiled_graphs(ModelRunner) == 2
 
 
