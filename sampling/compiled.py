@@ -44,8 +44,8 @@ MAX_GRAPHS = 16
 
 def is_compile_wanted(mode: CompileMode, device: torch.device) -> bool:
     """Whether to compile the decode forward: ``auto`` compiles nowhere yet, because where it has been
-    measured (a shared 2-core CPU, docs/benchmarks.md) it saved 14-19% of an 8-layer model's step at
-    batch 1 and 8, none at 32 and none on the embedded model, against about 20-30 s of compile."""
+    measured (a 2-core CPU, docs/benchmarks.md) it saved 8-15% of an 8-layer model's step at batch 1
+    and 8, 4% at 32 and none on the embedded model, against 15-21 s of compile (2-3 s warm)."""
     del device  # "auto" is per device once a GPU run has measured it (docs/gpu.md)
     return mode == "on"
 

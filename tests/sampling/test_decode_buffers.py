@@ -140,3 +140,15 @@ def test_an_engine_s_buffers_cover_its_batches(runner: ModelRunner, token_bytes:
     assert engine.parts.buffers.row_buckets == (1, 2, 4, 8, 16)  # n > 1 forks may hold twice max_running rows
     assert engine.parts.buffers.pad_block == runner.pad_block == NUM_BLOCKS
     assert make_engine(runner, token_bytes).parts.buffers is None
+
+
+def test_the_step_s_inputs_are_device_work_alone() -> None:
+    """On the meta device (shapes, no data) any read of a value by the host raises: ``view`` reads
+    none, so a captured step could run it on the device without a synchronisation."""
+    buffers = DecodeBuffers(max_rows=8, max_model_len=256, block_size=16, pad_block=40, device=torch.device("meta"))
+    bucket = buffers.load(torch.empty(3, dtype=torch.long, device="meta"), [5, 30, 70], [[1], [2, 3], [4, 5, 6, 7, 8]])
+    with pytest.raises(Exception):  # what a host read there would do  # noqa: B017
+        buffers.inputs[0, 0].item()
+    ids, batch = buffers.view(bucket)
+    assert (ids.shape, batch.key_slots.shape, batch.key_valid.shape) == ((4,), (4, 128), (4, 128))
+    assert batch.slot_mapping.shape == (4,) and batch.positions.shape == (4, 1)
