@@ -3,11 +3,12 @@
 Everything between attention calls is traced into one graph and fused; the paged attention stays
 one opaque operator in it (``paged_attention`` in sampling/paged_attention.py, registered with
 ``torch.library``). The step's token count (the batch size B) and its key length L (whole KV blocks)
-are dynamic, so batch sizes and sequence lengths share a bounded set of graphs rather than one each:
-a graph for B = 1 (the compiler specializes size 1), one for every larger B, and one more of each if
-the step carries M-RoPE positions; per runner shape (a cache of another size, another rotary table),
-since those are static. Inductor keeps what it builds on disk (its FX graph cache), so a restart
-traces the model again but compiles no kernel twice.
+are dynamic and *unbacked*: the compiler may neither guard on their values nor specialize a size of 1,
+so every batch size and sequence length shares one graph, and a step with M-RoPE positions one more;
+per runner shape (a cache of another size, another rotary table), since those are static. One graph
+rather than one for B = 1 and one for B > 1 took 10-15% off a cold start (docs/benchmarks.md).
+Inductor keeps what it builds on disk (its FX graph cache), so a restart traces the model again but
+compiles no kernel twice.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ __all__ = [
 CompileMode = Literal["auto", "on", "off"]
 # (token ids [B], where they go) -> logits [B, vocab] in fp32
 DecodeForward = Callable[[torch.Tensor, AttentionBatch], torch.Tensor]
-# graphs one runner class's forward may hold before the compiler runs new shapes eagerly: B = 1 and
-# B > 1, with and without M-RoPE positions, for the few runner shapes of one process (a benchmark
-# builds two models; a class's graphs are kept together), and room for a guard we did not foresee
+# graphs one runner class's forward may hold before the compiler runs new shapes eagerly: with and
+# without M-RoPE positions, for the few runner shapes of one process (a benchmark builds two models; a
+# class's graphs are kept together), and room for a guard we did not foresee
 MAX_GRAPHS = 16
 
 
 def is_compile_wanted(mode: CompileMode, device: torch.device) -> bool:
     """Whether to compile the decode forward: ``auto`` compiles nowhere yet, because where it has been
-    measured (a 2-core CPU, docs/benchmarks.md) it saved 8-15% of an 8-layer model's step at batch 1
-    and 8, 4% at 32 and none on the embedded model, against 15-21 s of compile (2-3 s warm)."""
+    measured (a 2-core CPU, docs/benchmarks.md) it saved 8-16% of an 8-layer model's step at batch 1
+    and 8, 4% at 32 and none on the embedded model, against 14-17 s of compile (2.1-2.7 s warm)."""
     del device  # "auto" is per device once a GPU run has measured it (docs/gpu.md)
     return mode == "on"
 
@@ -72,8 +73,8 @@ def _inference(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _step_inputs(ids: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor, AttentionBatch]:
-    """The step's inputs as inference tensors, marked dynamic in B and L (a no-op for a size the
-    compiler specializes: 1)."""
+    """The step's inputs as inference tensors, their sizes B and L marked unbacked (dynamic, and
+    never specialized: a size of 1 included, which a dynamic mark would leave to a graph of its own)."""
     rope = batch.rope_positions
     ids = _inference(ids)
     batch = AttentionBatch(
@@ -83,7 +84,7 @@ def _step_inputs(ids: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor
         key_valid=_inference(batch.key_valid),
         rope_positions=None if rope is None else _inference(rope),
     )
-    mark = torch._dynamo.maybe_mark_dynamic
+    mark = torch._dynamo.decorators.mark_unbacked
     for tensor in (ids, batch.positions, batch.slot_mapping, batch.key_slots, batch.key_valid):
         mark(tensor, 0)
     mark(batch.key_slots, 1)
@@ -95,7 +96,7 @@ def _step_inputs(ids: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor
 
 def compile_decode_forward(forward: DecodeForward) -> DecodeForward:
     """``forward`` compiled by inductor into one graph (``fullgraph``: a graph break is an error,
-    not a silent slow path), its inputs marked dynamic in B and L at every call."""
+    not a silent slow path), its inputs' sizes B and L unbacked at every call."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_GRAPHS)
     compiled = torch.compile(forward, fullgraph=True, dynamic=False)
 

@@ -256,8 +256,8 @@ class PagedRunner:
         self.compiled_decode = compile_decode_forward(self.decode_forward)
 
     def warm_up_decode(self) -> None:
-        """Run a decode step at B = 1 and at B = 2, so that each graph of a compiled forward compiles
-        now (a start) rather than in a request's first steps, where it would count against the step
-        timeout. Writes junk K/V into the pad block, which no sequence holds."""
+        """Run a decode step at B = 1 and at B = 2, so that a compiled forward's graph (one for both)
+        compiles now (a start) rather than in a request's first steps, where it would count against
+        the step timeout. Writes junk K/V into the pad block, which no sequence holds."""
         for size in (1, 2):
             self.decode([0] * size, self.decode_inputs(list(range(size)), [[self.pad_block]] * size))

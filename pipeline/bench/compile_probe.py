@@ -7,7 +7,7 @@ fused CPU kernels run outside ATen, so their calls are counted as the Python-vis
 compiled wrapper (each is one launch, as each Triton kernel is on a GPU).
 
 Start: ``python -m pipeline.bench.compile_probe CHECKPOINT CACHE_DIR`` loads the checkpoint's runner
-in a new process, then times the first decode step at B = 1 and at B = 8 (the two graphs) compiled,
+in a new process, then times the first decode step at B = 1 and at B = 8 (one graph serves both) compiled,
 minus the same steps eager; it prints one JSON line. Run once on an empty cache folder (cold) and
 once more on the same folder (warm: what a restart pays).
 """
