@@ -98,7 +98,9 @@ class StepParts:
         return schedule.step, [out for seq in schedule.unfit for out in self.requests.fail(seq, message)]
 
     def run(self, step: PrefillStep | PrefillBatch | DecodeStep) -> list[SeqOutput]:
-        """Launch, sample and commit one step; a step that raises fails its sequences alone."""
+        """Launch, sample and commit one step; a step that raises fails its sequences alone. A batched
+        prefill whose launch raises runs each of its parts apart first (``run_apart``), so that one
+        request's fault fails that request, not every prompt that shared its forward."""
         timing = StepTiming("decode" if isinstance(step, DecodeStep) else "prefill", 0)
         observed = self.record_timeline or self.tracer is not None  # the CPU clock only when read
         if isinstance(step, DecodeStep):
@@ -111,6 +113,11 @@ class StepParts:
         started, cpu_started = time.perf_counter(), time.thread_time() if observed else 0.0
         try:
             seqs, logits, filled = self.launch(step, timing)
+        except Exception as exc:
+            if isinstance(step, PrefillBatch) and len(step.chunks) + len(step.decodes) > 1:
+                return self.run_apart(step, exc)
+            return self.fail_step([step.seq] if isinstance(step, PrefillStep) else step.seqs, exc)
+        try:
             outputs: list[SeqOutput] = []
             if seqs:
                 assert logits is not None
@@ -128,6 +135,15 @@ class StepParts:
             timing.cpu = time.thread_time() - cpu_started
         self.record(timing, started, ended)
         return outputs
+
+    def run_apart(self, batch: PrefillBatch, exc: Exception) -> list[SeqOutput]:
+        """After ``batch``'s launch raised ``exc``: each of its chunks as a step of its own, then each
+        of its decodes. Nothing of the batch was committed (a launch samples and accepts nothing, and
+        what it records, the chunks' computed K/V, is recorded again by the step that reruns it), so
+        every part runs as if the batch had never been; a fault that is the device's fails them all."""
+        logger.warning("a batched prefill of %d parts raised %r; running its parts apart", len(batch.seqs), exc)
+        steps: list[PrefillStep | DecodeStep] = [*batch.chunks, *(DecodeStep([seq]) for seq in batch.decodes)]
+        return [out for part in steps for out in self.run(part)]
 
     def launch(
         self, step: PrefillStep | PrefillBatch | DecodeStep, timing: StepTiming

@@ -204,17 +204,23 @@ async def test_engine_step_raising_for_one_sequence(
 ) -> None:
     runner = pipe.engine.engine.runner
     poison = pipe.checkpoint.tokenizer.encode("POISONED", add_special_tokens=False)
-    real = runner.prefill
+    real, real_batch = runner.prefill, runner.prefill_batch
+
+    def poisoned(token_ids: list[int]) -> bool:
+        return any(token_ids[i : i + len(poison)] == poison for i in range(len(token_ids)))
 
     def prefill(token_ids: list[int], *args: Any, **kwargs: Any) -> Any:
-        if any(token_ids[i : i + len(poison)] == poison for i in range(len(token_ids))):
+        if poisoned(token_ids):
             raise RuntimeError("simulated device fault")
         return real(token_ids, *args, **kwargs)
 
+    def prefill_batch(chunks: list[Any]) -> Any:  # batched with its neighbours: they run apart after it
+        if any(poisoned(c.token_ids) for c in chunks):
+            raise RuntimeError("simulated device fault")
+        return real_batch(chunks)
+
     monkeypatch.setattr(runner, "prefill", prefill)
-    # a step that raises fails every sequence it holds: one prefill a step, so that the poisoned one's
-    # step holds it alone (batched, its neighbours would share its fault)
-    monkeypatch.setattr(pipe.engine.engine.scheduler, "max_prefill_seqs", 1)
+    monkeypatch.setattr(runner, "prefill_batch", prefill_batch)
     bodies = [
         {"messages": [{"role": "user", "content": t}], "max_tokens": 4, "ignore_eos": True}
         for t in ("fine", "POISONED", "also")
