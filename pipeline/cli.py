@@ -92,6 +92,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         device=args.device,
         compile_model={None: "auto", True: "on", False: "off"}[args.compile],
         decode_buffers=args.decode_buffers,
+        dtype=args.dtype,
         engine_torch_threads=args.engine_threads,
         prefill_seqs_per_step=args.prefill_seqs_per_step,
         mixed_chunk_tokens=args.mixed_chunk_tokens,
@@ -237,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compile the decode step's model forward with torch.compile (inductor; kernels cached under the "
         "cache dir between starts); default: auto, which compiles nowhere yet (docs/benchmarks.md)",
+    )
+    s.add_argument(
+        "--dtype",
+        default=_default("dtype"),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the language model's weights and KV cache; auto: bfloat16 on CUDA, float32 elsewhere "
+        "(default: %(default)s)",
     )
     s.add_argument(
         "--decode-buffers",

@@ -33,6 +33,11 @@ class PipelineConfig:
     # class over our paged attention; "native", the hand-written decoder (Mistral/Llama with default
     # RoPE); "auto", native where it computes the same model, else transformers
     model_impl: str = "auto"
+    # the language model's weights and KV cache: "float32", "bfloat16", "float16", or "auto" (bfloat16
+    # on CUDA, float32 elsewhere). Logits and sampling stay fp32; the vision encoder keeps its own.
+    # On a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 halves the decode step's matrix products
+    # (docs/benchmarks.md#served); its tokens are bf16's, not fp32's.
+    dtype: str = "auto"
     # The decode step's model forward compiled with torch.compile (sampling/compiled.py): "on", "off",
     # or "auto" (on where it was measured to pay: nowhere yet; on this CPU it did not, docs/benchmarks.md).
     # Compiled kernels are kept under cache_dir/inductor ($TORCHINDUCTOR_CACHE_DIR wins) between starts.
@@ -345,6 +350,8 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.model_impl not in ("auto", "transformers", "native"):
             raise ValueError(f"PipelineConfig.model_impl must be auto, transformers or native, got {self.model_impl!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"PipelineConfig.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.compile_model not in ("auto", "on", "off"):
             raise ValueError(f"PipelineConfig.compile_model must be auto, on or off, got {self.compile_model!r}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from sampling.hf_adapter import HFModelRunner, UnsupportedModel
 from sampling.model_runner import ModelRunner
 from sampling.paged_runner import PagedRunner
@@ -123,9 +125,11 @@ def build_runner(
     max_model_len: int,
     num_blocks: int,
     block_size: int,
+    dtype: torch.dtype | None = None,
 ) -> PagedRunner:
     """The model runner of ``checkpoint``: ``transformers`` (the adapter), ``native`` (the
-    hand-written decoder) or ``auto`` (native where it computes the same model, else the adapter).
+    hand-written decoder) or ``auto`` (native where it computes the same model, else the adapter);
+    ``dtype``: its weights' and KV cache's (None: bf16 on CUDA, fp32 elsewhere).
 
     :raises UnsupportedModel: the architecture is not supported, or ``native`` cannot run it.
     """
@@ -136,6 +140,13 @@ def build_runner(
             f"architecture {_architecture(checkpoint)}: the native decoder cannot run this checkpoint"
         )
     kind = ModelRunner if impl == "native" or (impl == "auto" and native) else HFModelRunner
-    runner = kind(checkpoint, device=device, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
+    runner = kind(
+        checkpoint,
+        device=device,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        dtype=dtype,
+    )
     runner.atomic_image_spans = family.atomic_image_spans
     return runner

@@ -73,8 +73,9 @@ class HFModelRunner(PagedRunner):
         max_model_len: int,
         num_blocks: int,
         block_size: int,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size)
+        super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size, dtype=dtype)
         self.model = load_hf_model(checkpoint, device=self.device, dtype=self.dtype)
         text = checkpoint_text_config(self.model)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

@@ -29,8 +29,9 @@ class ModelRunner(PagedRunner):
         max_model_len: int,
         num_blocks: int,
         block_size: int,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size)
+        super().__init__(checkpoint, device=device, max_model_len=max_model_len, block_size=block_size, dtype=dtype)
         self.lm_config = lm = LMConfig.from_hf(checkpoint.text_config)
         self.cfg = ModelShape(lm.vocab_size, lm.hidden_size, lm.num_layers, lm.num_kv_heads, lm.head_dim)
         # parameters without storage: the checkpoint's tensors are assigned in, so a 7B model is not

@@ -57,12 +57,21 @@ class PagedRunner:
     model: torch.nn.Module  # the model it runs (the adapter: transformers' whole model, vision tower included)
     embed_tokens: Callable[[torch.Tensor], torch.Tensor]  # the model's token embedding
 
-    def __init__(self, checkpoint: Checkpoint, *, device: str, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        device: str,
+        max_model_len: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.image_token_id = checkpoint.image_token_id
         # the model's image tokens attend bidirectionally within their image (the registry sets it)
         self.atomic_image_spans = False
         self.device = torch.device(device)
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        # the weights' and the KV cache's (logits are fp32 whatever it is); None: bf16 on CUDA, fp32 elsewhere
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

