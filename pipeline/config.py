@@ -44,8 +44,8 @@ class PipelineConfig:
     compile_model: str = "auto"
     # Decode steps read their inputs (token ids, positions, block tables) from tensors allocated once,
     # each batch padded to a bucket of rows and of key blocks (sampling/decode_buffers.py): what a
-    # CUDA graph replays. Same tokens either way; off: on the CPU there is no graph to replay and the
-    # padding only costs (docs/benchmarks.md).
+    # CUDA graph replays. The same tokens as without on the CPU (tests/sampling/test_decode_buffers.py);
+    # off: on the CPU there is no graph to replay and the padding only costs (docs/benchmarks.md).
     decode_buffers: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
 

@@ -6,7 +6,8 @@ one opaque operator in it (``paged_attention`` in sampling/paged_attention.py, r
 are dynamic and *unbacked*: the compiler may neither guard on their values nor specialize a size of 1,
 so every batch size and sequence length shares one graph, and a step with M-RoPE positions one more;
 per runner shape (a cache of another size, another rotary table), since those are static. One graph
-rather than one for B = 1 and one for B > 1 took 10-15% off a cold start (docs/benchmarks.md).
+rather than one for B = 1 and one for B > 1 took 10-28% off a cold start and 13-33% off a warm one
+(docs/benchmarks.md).
 Inductor keeps what it builds on disk (its FX graph cache), so a restart traces the model again but
 compiles no kernel twice.
 """

@@ -10,15 +10,18 @@ that kind, on any device:
   block of the KV cache that no sequence is ever given (``PagedRunner.pad_block``): it writes its
   junk K/V there, reads only that, and its logits are dropped.
 - **Keys.** Each row's block table is read from the buffer up to the bucket's key length: the
-  smallest power-of-two count of blocks that holds the longest row (never twice the keys it needs),
-  and each row sees its keys up to its position, read from the positions buffer.
+  smallest power-of-two count of blocks that holds the longest row (fewer than twice the blocks that
+  row needs; a shorter row reads as many), and each row sees its keys up to its position, read from
+  the positions buffer.
 - **One copy a step.** The host writes every row's token id, position, RoPE position and block table
-  into one tensor, copied to the device in one transfer; ids already on the device (the last step's
-  samples, one step ahead) are copied there device to device.
+  into one tensor, copied to the device in one transfer (on CUDA from pinned memory, so that the copy
+  never waits for the stream); ids already on the device (the last step's samples, one step ahead)
+  are copied there device to device.
 
 After the copy, ``view`` is device work alone with no host synchronisation: with the forward, what a
-capture would record once per bucket. Padding changes no real row's result: a decode forward treats
-its rows apart (the step's tokens meet only in attention, through each row's own block table).
+capture would record once per bucket. A padding row changes no real row's tokens: a decode forward treats its rows
+apart (they meet only in attention, through each row's own block table). A matrix product of more
+rows may round differently, which the tests show changes no token on the CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ _ID, _POSITION, _ROPE, _TABLE = 0, 1, 2, 3  # the rows of the inputs buffer: one
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
     """The padded batch sizes for batches of up to ``max_rows`` rows: 1, 2, 4, then every multiple of
-    8 up to the first that holds ``max_rows``."""
+    8 up to the first that holds ``max_rows``; up to 4 rows, the sizes under it and itself."""
     small = [size for size in (1, 2, 4) if size < max_rows]
     return (*small, *range(8, max_rows + 8, 8)) if max_rows > 4 else (*small, max_rows)
 
@@ -63,6 +66,10 @@ class DecodeBuffers:
         self.pad_block = pad_block
         rows = self.row_buckets[-1]
         # inference tensors, as every step's inputs are (a compiled forward guards on the kind)
+        self._pinned = device.type == "cuda"
+        if self._pinned:  # the host side of the copy, and its end: the staging is rewritten only after it
+            self._staging = torch.empty((_TABLE + self.max_blocks) * rows, dtype=torch.long).pin_memory()
+            self._copied = torch.cuda.Event()
         with torch.inference_mode():
             # a column per batch row: token id, position, RoPE position, then the block table (the pad
             # block beyond it); column-major, so that a step's ids and positions are contiguous views
@@ -97,15 +104,23 @@ class DecodeBuffers:
             for row, (token, p, table) in enumerate(zip(host_ids, positions, tables, strict=True))
         ]
         rows += [[0, 0, 0, *[pad] * blocks]] * (bucket.rows - len(rows))
-        self.inputs[: _TABLE + blocks, : bucket.rows].copy_(torch.tensor(rows).T, non_blocking=True)
+        staged = torch.tensor(rows).T  # [_TABLE + blocks, bucket rows]
+        if self._pinned:
+            self._copied.synchronize()  # the last step's copy has read the staging memory (no-op: long done)
+            pinned = self._staging[: staged.numel()].view(staged.shape)
+            staged = pinned.copy_(staged)
+        self.inputs[: _TABLE + blocks, : bucket.rows].copy_(staged, non_blocking=True)
+        if self._pinned:
+            self._copied.record()
         if isinstance(ids, torch.Tensor):
             self.inputs[_ID, : len(positions)].copy_(ids)
         return bucket
 
     def view(self, bucket: DecodeBucket) -> tuple[torch.Tensor, AttentionBatch]:
-        """The token ids ``[rows]`` and attention batch of the step last loaded: views of the buffers
-        and what device work computes from them. Each is contiguous, as ``decode_inputs`` makes its
-        tensors, so a compiled forward runs both on the same graphs."""
+        """The token ids ``[rows]`` and attention batch of the step ``load`` wrote last (``bucket``, what
+        it returned): views of the buffers and what device work computes from them, the part of a step
+        a capture would record with the forward. The ids, positions and key tensors are contiguous, as
+        ``decode_inputs`` makes them, so a compiled forward runs both on the same graph."""
         inputs = self.inputs[:, : bucket.rows]
         positions = inputs[_POSITION]
         tables = inputs[_TABLE : _TABLE + bucket.blocks].T

@@ -29,6 +29,7 @@ from sampling.inputs import EngineInput, SeqOutput
 from sampling.kv_cache import BlockAllocator
 from sampling.masked_sampler import MaskedSampler
 from sampling.model_runner import ModelRunner
+from sampling.params import MAX_N
 from sampling.request_table import RequestTable
 from sampling.scheduler import Scheduler
 from sampling.step import StepParts
@@ -67,8 +68,12 @@ class LLMEngine:
         xgrammar's forced text needs (without it, only llguidance's matchers force);
         ``decode_buffers``: decode steps read their inputs from tensors allocated once, padded to
         buckets (sampling/decode_buffers.py)."""
+        if num_blocks > runner.pad_block:  # the pad block (and past it) is not the sequences' to hold
+            raise ValueError(f"{num_blocks} KV blocks for sequences; the runner's cache holds {runner.pad_block}")
         self.runner = runner
         self.token_bytes = token_bytes
+        # the most sequences one step may hold: every running one, the last admitted forked into its n
+        self.max_rows = max_running - 1 + max(MAX_N, 2)
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks),
             block_size=runner.block_size,
@@ -90,19 +95,19 @@ class LLMEngine:
             device=runner.device,
         )
         # lazy_mask: greedy rows whose choice the grammar allows skip the mask (exact; sampling/masked_sampler.py)
-        guided = GuidedDecoder(runner.cfg.vocab_size, max_running * 2, runner.device)
+        guided = GuidedDecoder(runner.cfg.vocab_size, self.max_rows, runner.device)
         sampler = MaskedSampler(guided, eos_token_ids, lazy_mask=lazy_mask)
         self.parts = StepParts(
             runner,
             self.scheduler,
             self.requests,
             sampler,
-            max_rows=max_running * 2,
+            max_rows=self.max_rows,
             record_timeline=record_timeline,
             tracer=tracer,
             forced=ForcedTokens(token_bytes.table, encode, eos_token_ids) if forced_tokens else None,
             buffers=DecodeBuffers(
-                max_rows=max_running * 2,
+                max_rows=self.max_rows,
                 max_model_len=runner.max_model_len,
                 block_size=runner.block_size,
                 pad_block=runner.pad_block,
@@ -123,9 +128,11 @@ class LLMEngine:
         """Queue a request; its ``n`` sequences share one prefill.
 
         :raises ValueError: its images are pixels still (this engine encodes none: the engine process's
-            ``EngineImages`` turns them into embeddings first)."""
+            ``EngineImages`` turns them into embeddings first), or it asks for more than ``MAX_N`` sequences."""
         if inp.image_pixels:
             raise ValueError(f"request {inp.request_id}: its images are not encoded (no vision encoder here)")
+        if not 1 <= inp.sampling.n <= MAX_N:
+            raise ValueError(f"request {inp.request_id}: n must be 1 to {MAX_N}, got {inp.sampling.n}")
         self.requests.add(inp)
 
     def abort(self, request_id: str) -> None:

@@ -75,7 +75,7 @@ class PagedRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.pad_block = 0  # the block past the sequences' (``_allocate``)
+        self.pad_block = -1  # the block past the sequences' (``_allocate``)
         # the decode forward compiled (``compile_decode``); None: eager
         self.compiled_decode: Callable[[torch.Tensor, AttentionBatch], torch.Tensor] | None = None
 

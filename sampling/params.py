@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_TOP_LOGPROBS", "SamplingParams"]
+__all__ = ["MAX_N", "MAX_TOP_LOGPROBS", "SamplingParams"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+# the most sequences one request may ask for (``n``): a step holds at most max_running - 1 sequences
+# and a request's forks, so the engine sizes its per-row buffers by it
+MAX_N = 16
 
 
 @dataclass(frozen=True, slots=True)

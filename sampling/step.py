@@ -137,12 +137,13 @@ class StepParts:
         return outputs
 
     def run_apart(self, batch: PrefillBatch, exc: Exception) -> list[SeqOutput]:
-        """After ``batch``'s launch raised ``exc``: each of its chunks as a step of its own, then each
-        of its decodes. Nothing of the batch was committed (a launch samples and accepts nothing, and
-        what it records, the chunks' computed K/V, is recorded again by the step that reruns it), so
-        every part runs as if the batch had never been; a fault that is the device's fails them all."""
+        """After ``batch``'s launch raised ``exc``: each of its chunks as a step of its own, then its
+        decodes as one decode step. Nothing of the batch was committed (a launch samples and accepts
+        nothing, and what it records, the chunks' computed K/V, is recorded again by the step that
+        reruns it), so every part runs as if the batch had never been. A fault of the device fails
+        every part, at the cost of a forward each."""
         logger.warning("a batched prefill of %d parts raised %r; running its parts apart", len(batch.seqs), exc)
-        steps: list[PrefillStep | DecodeStep] = [*batch.chunks, *(DecodeStep([seq]) for seq in batch.decodes)]
+        steps: list[PrefillStep | DecodeStep] = [*batch.chunks, *([DecodeStep(batch.decodes)] if batch.decodes else [])]
         return [out for part in steps for out in self.run(part)]
 
     def launch(

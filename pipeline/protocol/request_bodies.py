@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from sampling.params import MAX_N as SAMPLING_MAX_N
+
 __all__ = [
     "MAX_N",
     "MAX_STOP_STRINGS",
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 MAX_STOP_STRINGS = 8
-MAX_N = 16
+MAX_N = SAMPLING_MAX_N  # the engine sizes a step's rows by it
 MAX_TOKEN_LISTS = 1024  # entries of stop_token_ids, allowed_token_ids; bad_words holds at most MAX_BAD_WORDS
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256

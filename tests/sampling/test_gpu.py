@@ -1,4 +1,5 @@
-"""CUDA paths: bf16 model, pinned bitmask, side-stream copies, the one-step-ahead loop. Skipped without a GPU."""
+"""CUDA paths: bf16 model, pinned bitmask, side-stream copies, the one-step-ahead loop, decode buffers.
+Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -84,3 +85,43 @@ def test_one_step_ahead_on_cuda_gives_the_synchronous_tokens(
             add(engine, f"r{i}", prompt(hf_tokenizer, f"gpu {i}"), max_tokens=8 + 5 * i, ignore_eos=True, **params)
         outputs.append({k: o.token_ids for k, o in run_all(engine).items()})
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+@pytest.mark.parametrize("one_step_ahead", [False, True], ids=["sync", "ahead"])
+def test_decode_buffers_on_cuda(
+    cuda_runner: ModelRunner,
+    token_bytes: TokenBytes,
+    compiler: xgr.GrammarCompiler,
+    hf_tokenizer: Any,
+    one_step_ahead: bool,
+) -> None:
+    """The padded, buffered step on CUDA (its inputs copied from pinned memory): the same logits as the
+    step built at its size within bf16's rounding (a padded matrix product may take another kernel),
+    guided answers that validate, and buffers that never move."""
+    from sampling.decode_buffers import DecodeBuffers
+
+    buffers = DecodeBuffers(
+        max_rows=16, max_model_len=2048, block_size=16, pad_block=cuda_runner.pad_block, device=cuda_runner.device
+    )
+    address = buffers.inputs.data_ptr()
+    tables = [[10 + 3 * row, 11 + 3 * row, 12 + 3 * row] for row in range(5)]
+    positions = [20 + 4 * row for row in range(5)]
+    for table, length in zip(tables, positions, strict=True):
+        cuda_runner.prefill(list(range(100, 100 + length)), 0, table, None)
+    ids = list(range(300, 305))
+    with torch.inference_mode():
+        expected = cuda_runner.decode(ids, cuda_runner.decode_inputs(positions, tables))
+        padded = cuda_runner.decode(*buffers.view(buffers.load(ids, positions, tables)))[:5]
+    assert float((padded - expected).norm() / expected.norm()) < 2e-2
+    engine = make_engine(
+        cuda_runner, token_bytes, num_blocks=128, max_running=8, one_step_ahead=one_step_ahead, decode_buffers=True
+    )
+    assert engine.parts.buffers is not None
+    engine_address = engine.parts.buffers.inputs.data_ptr()
+    grammar = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    for i in range(5):  # 5 rows: padded to 8
+        add(engine, f"b{i}", prompt(hf_tokenizer, f"gpu {i}"), grammar, max_tokens=32, temperature=0.8, seed=i)
+    for out in run_all(engine).values():
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert buffers.inputs.data_ptr() == address and engine.parts.buffers.inputs.data_ptr() == engine_address
