@@ -1,6 +1,6 @@
 """The HTTP front of the Ray Serve application: everything that needs no model, then the request to a replica.
 
-The ``Ingress`` checks routes, the body cap and the API key, computes the request's ``routing_key``
+The ``Ingress`` checks routes, the body cap, the body deadline and the API key, computes the request's ``routing_key``
 (``pipeline.scaleout.affinity``) and forwards the body to a replica (``pipeline.scaleout.replica``)
 through a ``DeploymentHandle`` whose router (``pipeline.scaleout.router``) prefers the replica
 holding that key's caches. A replica that dies before any byte of its answer left is retried once
@@ -26,9 +26,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pipeline.api.auth import api_key_refusal
+from pipeline.api.connections import ConnectionLimits
 from pipeline.api.openapi import ROUTES, openapi_json
 from pipeline.api.replies import DONE, Reply, error_reply, event, json_reply
 from pipeline.errors import (
+    InvalidRequest,
     MethodNotAllowed,
     Overloaded,
     PayloadTooLarge,
@@ -48,6 +50,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 FAN_OUT_TIMEOUT_S = 5.0  # /health and /metrics: a replica that does not answer by then is reported as such
 _REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 _SSE = "text/event-stream"
+_SERVER_LIMITS = ConnectionLimits()  # the aiohttp server's defaults, the body deadline's among them
 
 
 def _to_response(reply: Reply) -> Response:
@@ -58,18 +61,36 @@ def _error(error: PipelineError) -> Response:
     return _to_response(error_reply(error))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused past ``limit`` bytes while it streams in (a wrong Content-Length cannot help)."""
+async def _read_body(request: Request, limit: int, timeout_s: float, rate: float) -> bytes:
+    """The body, refused past ``limit`` bytes while it streams in (a wrong Content-Length cannot help),
+    and refused (408) unless it arrives whole within ``timeout_s`` plus a second per ``rate`` bytes
+    received: the aiohttp server's body deadline (pipeline/api/body_deadline.py), so that a body that
+    stalls cannot hold an ingress request, and the client's connection to Ray's proxy, for good."""
     declared = request.headers.get("content-length")
     too_large = PayloadTooLarge(f"the request body is over the limit of {limit} bytes", field="body")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
+    started = asyncio.get_running_loop().time()
     body = bytearray()
-    async for chunk in request.stream():
+    chunks = aiter(request.stream())
+    while True:
+        try:
+            async with asyncio.timeout_at(started + timeout_s + len(body) / rate):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return bytes(body)
+        except TimeoutError:
+            error = InvalidRequest(
+                f"the request body did not arrive whole within {timeout_s:g} s (and a second more per "
+                f"{rate:g} bytes received)",
+                field="body",
+                stage="http",
+            )
+            error.status = 408
+            raise error from None
         body += chunk
         if len(body) > limit:
             raise too_large
-    return bytes(body)
 
 
 _METHODS = {route.path: route.method.upper() for route in ROUTES}
@@ -85,9 +106,12 @@ class Ingress:
         api_key: str | None = None,
         protect_all: bool = False,
         max_body_bytes: int = MAX_BODY_BYTES,
+        body_timeout_s: float = _SERVER_LIMITS.body_timeout_s,
+        body_timeout_rate: float = _SERVER_LIMITS.body_timeout_rate,
     ) -> None:
         self.replicas = replicas
         self.api_key, self.protect_all, self.max_body_bytes = api_key, protect_all, max_body_bytes
+        self.body_timeout_s, self.body_timeout_rate = body_timeout_s, body_timeout_rate
         context = serve.get_replica_context()
         self.app_name, self.name = context.app_name, context.replica_id.unique_id
         self.registry = CollectorRegistry()
@@ -124,9 +148,13 @@ class Ingress:
         if path == "/metrics":
             return await self._metrics()
         try:
-            body = await _read_body(request, self.max_body_bytes)
+            body = await _read_body(request, self.max_body_bytes, self.body_timeout_s, self.body_timeout_rate)
         except PayloadTooLarge as exc:
             return _error(exc)
+        except InvalidRequest as exc:  # the body deadline: read nothing more of this connection
+            response = _error(exc)
+            response.headers["Connection"] = "close"
+            return response
         key = routing_key(body) if method == "POST" else None
         return await self._forward(method, path, body, key)
 

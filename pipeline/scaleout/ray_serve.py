@@ -35,12 +35,14 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from pipeline.api.connections import ConnectionLimits
 from pipeline.config import PipelineConfig
 from pipeline.scaleout.ingress import MAX_BODY_BYTES, Ingress
 from pipeline.scaleout.replica import APP_NAME, REPLICA_DEPLOYMENT, PipelineReplica, replica_ids
 
 __all__ = ["APP_NAME", "Ingress", "PipelineReplica", "app", "build", "build_app", "replica_ids"]
 
+_SERVER_LIMITS = ConnectionLimits()  # the aiohttp server's defaults, its body deadline's among them
 FAN_OUT_ROOM = 8  # a replica's room above its admission bound, for /health and /metrics
 
 
@@ -52,10 +54,14 @@ def build_app(
     api_key: str | None = None,
     protect_all: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = _SERVER_LIMITS.body_timeout_s,
+    body_timeout_rate: float = _SERVER_LIMITS.body_timeout_rate,
     busy_slack: int = 4,
     shutdown_timeout: float = 30.0,
 ) -> serve.Application:
-    """The Serve application: ``replicas`` pipelines behind one ingress (``serve.run`` it)."""
+    """The Serve application: ``replicas`` pipelines behind one ingress (``serve.run`` it); a request
+    body must reach the ingress within ``body_timeout_s`` plus a second per ``body_timeout_rate`` bytes
+    (as ``serve --body-timeout``, ``--body-timeout-rate``)."""
     config = config or PipelineConfig()
     per_replica = config.max_pending_requests
     replica = serve.deployment(name=REPLICA_DEPLOYMENT)(PipelineReplica).options(
@@ -81,6 +87,8 @@ def build_app(
         api_key=api_key,
         protect_all=protect_all,
         max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        body_timeout_rate=body_timeout_rate,
     )
 
 
@@ -92,8 +100,9 @@ def build(args: dict[str, Any]) -> serve.Application:
     config = PipelineConfig(**{k: v for k, v in args.items() if k in fields})
     if "replicas" in options:
         options["replicas"] = int(options["replicas"])
-    if "replica_cpus" in options:
-        options["replica_cpus"] = float(options["replica_cpus"])
+    for name in ("replica_cpus", "body_timeout_s", "body_timeout_rate"):
+        if name in options:
+            options[name] = float(options[name])
     options.setdefault("api_key", os.environ.get("PIPELINE_API_KEY"))
     return build_app(config, **options)
 

@@ -1,0 +1,65 @@
+"""The Ray Serve ingress reads a request body under the aiohttp server's body deadline: a body that
+stalls is refused with a 408 after ``timeout_s``, one that keeps arriving earns its time, and the
+size cap still holds. The body comes from a scripted ASGI ``receive``, as Ray's proxy would send it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+
+pytest.importorskip("ray.serve")  # its first import warns (pydantic), which importorskip lets pass
+from starlette.requests import Request  # noqa: E402  (with ray)
+
+from pipeline.errors import InvalidRequest, PayloadTooLarge  # noqa: E402
+from pipeline.scaleout.ingress import _read_body  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+
+
+def _request(chunks: list[bytes], gap_s: float, then_stall: bool) -> Request:
+    """A POST whose body arrives as ``chunks``, ``gap_s`` apart; then its end, or nothing ever again."""
+    sent = iter(chunks)
+
+    async def receive() -> dict[str, Any]:
+        chunk = next(sent, None)
+        if chunk is None:
+            if then_stall:
+                await anyio.sleep_forever()
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await anyio.sleep(gap_s)
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    return Request(scope, receive)
+
+
+async def _refusal(read: Callable[[], Awaitable[bytes]]) -> Exception:
+    with pytest.raises((InvalidRequest, PayloadTooLarge)) as caught:
+        await read()
+    return caught.value
+
+
+async def test_a_stalled_body_is_refused_with_a_408() -> None:
+    request = _request([b"x" * 10], 0, then_stall=True)
+    with anyio.fail_after(10):
+        error = await _refusal(lambda: _read_body(request, 1 << 20, timeout_s=0.2, rate=64 * 1024))
+    assert isinstance(error, InvalidRequest) and error.status == 408 and error.field == "body"
+
+
+async def test_a_body_that_keeps_arriving_earns_its_time() -> None:
+    """Ten 1,000-byte chunks 0.05 s apart (0.5 s in all) under a 0.1 s deadline: each chunk earns
+    0.2 s at 5,000 bytes a second, so the body is read whole."""
+    request = _request([bytes([i]) * 1000 for i in range(10)], 0.05, then_stall=False)
+    with anyio.fail_after(10):
+        body = await _read_body(request, 1 << 20, timeout_s=0.1, rate=5000)
+    assert body == b"".join(bytes([i]) * 1000 for i in range(10))
+
+
+async def test_the_size_cap_still_holds() -> None:
+    request = _request([b"x" * 600, b"x" * 600], 0, then_stall=False)
+    with anyio.fail_after(10):
+        error = await _refusal(lambda: _read_body(request, 1000, timeout_s=5, rate=64 * 1024))
+    assert isinstance(error, PayloadTooLarge)
