@@ -81,6 +81,9 @@ class PipelineConfig:
     # Of those, what one request's images may hold at once (at most fetch_concurrency): its other images
     # wait for its own, so a few requests with slow URLs cannot take every slot from the rest.
     fetch_concurrency_per_request: int = 4
+    # Of those, what the fetches to one host (and port) may hold at once: requests whose image URLs
+    # all point at one slow host take half the slots, and the other hosts' images go on meanwhile.
+    fetch_concurrency_per_host: int = 16
 
     # Run preparation work inline on the event loop: the naive baseline of the health benchmark,
     # never a serving setting.
@@ -269,6 +272,7 @@ class PipelineConfig:
             "max_image_bytes": self.max_image_bytes,
             "fetch_concurrency": self.fetch_concurrency,
             "fetch_concurrency_per_request": self.fetch_concurrency_per_request,
+            "fetch_concurrency_per_host": self.fetch_concurrency_per_host,
             "max_image_pixels": self.max_image_pixels,
             "decode_threads": self.decode_threads,
             "max_images_per_request": self.max_images_per_request,

@@ -95,6 +95,7 @@ def build_fetch_stage(cfg: PipelineConfig) -> FetchStage:
         max_bytes=cfg.max_image_bytes,
         concurrency=cfg.fetch_concurrency,
         per_request=cfg.fetch_concurrency_per_request,
+        per_host=cfg.fetch_concurrency_per_host,
         connect_timeout_s=cfg.fetch_connect_timeout_s,
         total_timeout_s=cfg.fetch_total_timeout_s,
         max_redirects=cfg.max_redirects,

@@ -12,6 +12,9 @@ import binascii
 import os
 import re
 import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import unquote, urlsplit
@@ -42,11 +45,30 @@ def _shown(url: str) -> str:
     return url if len(url) <= limit else url[: limit - 3] + "..."
 
 
+@dataclass(slots=True)
+class _HostSlots:
+    """One host's share of the fetch slots, and the fetches that hold or wait for it (at 0 it is dropped)."""
+
+    limiter: anyio.CapacityLimiter
+    users: int = 0
+
+
+def _host_key(url: str) -> str:
+    """The host and port an http(s) URL names, lower-case; "" for one that does not parse (its fetch
+    fails on its own, under the slots of every such URL)."""
+    try:
+        parsed = URL(url)
+        return f"{(parsed.host or '').lower()}:{parsed.port}"
+    except ValueError:
+        return ""
+
+
 class FetchStage:
     """Fetches the bytes of image URLs within its limits: ``max_bytes`` per image, ``concurrency``
-    fetches at once (``per_request`` of them for one request's images, see ``request_slots``), a
-    connect timeout and one total deadline per image (every redirect hop included), ``max_redirects``
-    hops, private addresses only when ``allow_private``, local files only under ``media_root``."""
+    fetches at once (``per_request`` of them for one request's images, see ``request_slots``, and
+    ``per_host`` for one host's, by the URL a fetch starts from), a connect timeout and one total
+    deadline per image (every redirect hop included), ``max_redirects`` hops, private addresses only
+    when ``allow_private``, local files only under ``media_root``."""
 
     name = "fetch"
 
@@ -56,6 +78,7 @@ class FetchStage:
         max_bytes: int = 20 * 1024 * 1024,
         concurrency: int = 32,
         per_request: int | None = None,
+        per_host: int | None = None,
         connect_timeout_s: float = 5.0,
         total_timeout_s: float = 20.0,
         max_redirects: int = 3,
@@ -67,6 +90,10 @@ class FetchStage:
         self.max_bytes = max_bytes
         self.concurrency = concurrency
         self.per_request = min(per_request or concurrency, concurrency)
+        # one host's fetches at once: many requests whose URLs all point at one slow host (a tarpit)
+        # take this many slots, not every slot, and other hosts' images are fetched meanwhile
+        self.per_host = min(per_host or concurrency, concurrency)
+        self._hosts: dict[str, _HostSlots] = {}
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
         self.max_redirects = max_redirects
@@ -129,8 +156,27 @@ class FetchStage:
     async def _fetch(self, url: str, field: str, is_local: bool) -> bytes:
         if is_local:
             return await self._local_file(url, field)
-        async with self.limiter:
+        async with self._host_slot(_host_key(url)), self.limiter:
             return await self._http(url, field)
+
+    @asynccontextmanager
+    async def _host_slot(self, host: str) -> AsyncIterator[None]:
+        """Hold one of ``host``'s ``per_host`` slots (taken before a shared one, as a request's are)."""
+        slots = self._hosts.get(host)
+        if slots is None:
+            slots = self._hosts[host] = _HostSlots(anyio.CapacityLimiter(self.per_host))
+        slots.users += 1
+        try:
+            async with slots.limiter:
+                yield
+        finally:
+            slots.users -= 1
+            if not slots.users:  # no fetch holds or awaits it: the table keeps only hosts in use
+                del self._hosts[host]
+
+    def hosts_in_use(self) -> int:
+        """Hosts whose slots some fetch holds or waits for (what the per-host table holds)."""
+        return len(self._hosts)
 
     def _error(self, url: str, reason: str, field: str) -> ImageFetchError:
         return ImageFetchError(f"cannot fetch image {_shown(url)}: {reason}", field=field, stage=self.name)

@@ -98,3 +98,36 @@ async def test_one_requests_images_wait_for_its_own_share(slow_images: SlowImage
             assert len(slow_images.arrived) == 2 and fetch.limiter.borrowed_tokens == 2
             slow_images.release.set()
         assert len(slow_images.arrived) == 5
+
+
+async def test_many_requests_to_one_slow_host_leave_slots_for_other_hosts(slow_images: SlowImages) -> None:
+    """Eight requests whose images all hang on one host hold that host's 3 slots, not all 8: an image
+    on another host (another port of 127.0.0.1) is fetched at once, and the host table empties after."""
+    other = web.Application()
+    other.add_routes([web.get("/good.png", _png)])
+    policy = AddressPolicy(allow_private=True)
+    async with (
+        serving(other, shutdown_timeout=0.1) as other_base,
+        FetchStage(concurrency=8, per_request=8, per_host=3, policy=policy, total_timeout_s=60) as fetch,
+    ):
+        steps = ImageSteps(fetch, DecodeStage(), None, None, None, takes_images=True)
+        slow_images.expected = 3
+        async with anyio.create_task_group() as tg:
+            for r in range(8):
+                tg.start_soon(steps.fetch_step, refs([f"{slow_images.base}/slow/{r}.png"]), RequestImages(), f"r{r}")
+            with anyio.fail_after(10):
+                await slow_images.all_arrived.wait()
+            await anyio.wait_all_tasks_blocked()  # the other five wait for the host's slots
+            assert len(slow_images.arrived) == 3 and fetch.limiter.borrowed_tokens == 3
+            assert fetch.hosts_in_use() == 1
+            good = RequestImages()
+            with anyio.fail_after(10):  # one shared limit alone: all 8 slots held, and this waits
+                await steps.fetch_step(refs([f"{other_base}/good.png"]), good, "good")
+            assert good.data == [PNG]
+            slow_images.release.set()
+        assert len(slow_images.arrived) == 8
+        assert fetch.hosts_in_use() == 0 and fetch.limiter.borrowed_tokens == 0
+
+
+async def _png(_: web.Request) -> web.Response:
+    return web.Response(body=PNG, content_type="image/png")
