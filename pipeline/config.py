@@ -82,7 +82,7 @@ class PipelineConfig:
     # wait for its own, so a few requests with slow URLs cannot take every slot from the rest.
     fetch_concurrency_per_request: int = 4
     # Of those, what the fetches to one host (and port) may hold at once: requests whose image URLs
-    # all point at one slow host take half the slots, and the other hosts' images go on meanwhile.
+    # all name one slow host take this many slots, and the other hosts' images go on meanwhile.
     fetch_concurrency_per_host: int = 16
 
     # Run preparation work inline on the event loop: the naive baseline of the health benchmark,

@@ -42,7 +42,7 @@ from pipeline.scaleout.affinity import routing_key
 from pipeline.scaleout.replica import replica_ids
 from pipeline.scaleout.replica_metrics import merge_expositions
 
-__all__ = ["FAN_OUT_TIMEOUT_S", "MAX_BODY_BYTES", "Ingress"]
+__all__ = ["FAN_OUT_TIMEOUT_S", "MAX_BODY_BYTES", "SERVER_LIMITS", "Ingress"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 FAN_OUT_TIMEOUT_S = 5.0  # /health and /metrics: a replica that does not answer by then is reported as such
 _REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 _SSE = "text/event-stream"
-_SERVER_LIMITS = ConnectionLimits()  # the aiohttp server's defaults, the body deadline's among them
+SERVER_LIMITS = ConnectionLimits()  # the aiohttp server's defaults, its body deadline's among them
 
 
 def _to_response(reply: Reply) -> Response:
@@ -64,33 +64,40 @@ def _error(error: PipelineError) -> Response:
 async def _read_body(request: Request, limit: int, timeout_s: float, rate: float) -> bytes:
     """The body, refused past ``limit`` bytes while it streams in (a wrong Content-Length cannot help),
     and refused (408) unless it arrives whole within ``timeout_s`` plus a second per ``rate`` bytes
-    received: the aiohttp server's body deadline (pipeline/api/body_deadline.py), so that a body that
-    stalls cannot hold an ingress request, and the client's connection to Ray's proxy, for good."""
+    received: the aiohttp server's body deadline rule (pipeline/api/body_deadline.py), its clock started
+    when the ingress starts reading (a wait in Ray's proxy before that is not counted). A body that
+    stalls cannot hold an ingress request for good."""
     declared = request.headers.get("content-length")
     too_large = PayloadTooLarge(f"the request body is over the limit of {limit} bytes", field="body")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     started = asyncio.get_running_loop().time()
     body = bytearray()
-    chunks = aiter(request.stream())
-    while True:
-        try:
-            async with asyncio.timeout_at(started + timeout_s + len(body) / rate):
-                chunk = await anext(chunks)
-        except StopAsyncIteration:
-            return bytes(body)
-        except TimeoutError:
-            error = InvalidRequest(
-                f"the request body did not arrive whole within {timeout_s:g} s (and a second more per "
-                f"{rate:g} bytes received)",
-                field="body",
-                stage="http",
-            )
-            error.status = 408
-            raise error from None
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    chunks = request.stream()
+    try:
+        while True:
+            deadline = asyncio.timeout_at(started + timeout_s + len(body) / rate)
+            try:
+                async with deadline:
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return bytes(body)
+            except TimeoutError:
+                if not deadline.expired():  # Ray's own timeouts are TimeoutErrors too: not the client's
+                    raise
+                error = InvalidRequest(
+                    f"the request body did not arrive whole within {timeout_s:g} s (and a second more per "
+                    f"{rate:g} bytes received)",
+                    field="body",
+                    stage="http",
+                )
+                error.status = 408
+                raise error from None
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    finally:
+        await chunks.aclose()
 
 
 _METHODS = {route.path: route.method.upper() for route in ROUTES}
@@ -106,9 +113,11 @@ class Ingress:
         api_key: str | None = None,
         protect_all: bool = False,
         max_body_bytes: int = MAX_BODY_BYTES,
-        body_timeout_s: float = _SERVER_LIMITS.body_timeout_s,
-        body_timeout_rate: float = _SERVER_LIMITS.body_timeout_rate,
+        body_timeout_s: float = SERVER_LIMITS.body_timeout_s,
+        body_timeout_rate: float = SERVER_LIMITS.body_timeout_rate,
     ) -> None:
+        # checked as the aiohttp server checks them (positive), so a bad value fails the deployment, not each POST
+        ConnectionLimits(body_timeout_s=body_timeout_s, body_timeout_rate=body_timeout_rate)
         self.replicas = replicas
         self.api_key, self.protect_all, self.max_body_bytes = api_key, protect_all, max_body_bytes
         self.body_timeout_s, self.body_timeout_rate = body_timeout_s, body_timeout_rate
@@ -149,11 +158,9 @@ class Ingress:
             return await self._metrics()
         try:
             body = await _read_body(request, self.max_body_bytes, self.body_timeout_s, self.body_timeout_rate)
-        except PayloadTooLarge as exc:
-            return _error(exc)
-        except InvalidRequest as exc:  # the body deadline: read nothing more of this connection
+        except (PayloadTooLarge, InvalidRequest) as exc:  # over the cap, or past the deadline (408)
             response = _error(exc)
-            response.headers["Connection"] = "close"
+            response.headers["Connection"] = "close"  # the rest of the body is not read: the aiohttp server's way
             return response
         key = routing_key(body) if method == "POST" else None
         return await self._forward(method, path, body, key)

@@ -45,6 +45,8 @@ def serve_on_ray(
             api_key=resolve_api_key(args.api_key),
             protect_all=args.api_key_everywhere,
             shutdown_timeout=args.shutdown_timeout,
+            body_timeout_s=args.body_timeout,
+            body_timeout_rate=args.body_timeout_rate,
         )
         print(f"starting {args.replicas} replicas on Ray ...", flush=True)
         serve.run(app, name=APP_NAME, route_prefix="/")

@@ -37,12 +37,11 @@ from ray.serve.config import RequestRouterConfig
 
 from pipeline.api.connections import ConnectionLimits
 from pipeline.config import PipelineConfig
-from pipeline.scaleout.ingress import MAX_BODY_BYTES, Ingress
+from pipeline.scaleout.ingress import MAX_BODY_BYTES, SERVER_LIMITS, Ingress
 from pipeline.scaleout.replica import APP_NAME, REPLICA_DEPLOYMENT, PipelineReplica, replica_ids
 
 __all__ = ["APP_NAME", "Ingress", "PipelineReplica", "app", "build", "build_app", "replica_ids"]
 
-_SERVER_LIMITS = ConnectionLimits()  # the aiohttp server's defaults, its body deadline's among them
 FAN_OUT_ROOM = 8  # a replica's room above its admission bound, for /health and /metrics
 
 
@@ -54,8 +53,8 @@ def build_app(
     api_key: str | None = None,
     protect_all: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
-    body_timeout_s: float = _SERVER_LIMITS.body_timeout_s,
-    body_timeout_rate: float = _SERVER_LIMITS.body_timeout_rate,
+    body_timeout_s: float = SERVER_LIMITS.body_timeout_s,
+    body_timeout_rate: float = SERVER_LIMITS.body_timeout_rate,
     busy_slack: int = 4,
     shutdown_timeout: float = 30.0,
 ) -> serve.Application:
@@ -63,6 +62,7 @@ def build_app(
     body must reach the ingress within ``body_timeout_s`` plus a second per ``body_timeout_rate`` bytes
     (as ``serve --body-timeout``, ``--body-timeout-rate``)."""
     config = config or PipelineConfig()
+    ConnectionLimits(body_timeout_s=body_timeout_s, body_timeout_rate=body_timeout_rate)  # positive, or ValueError
     per_replica = config.max_pending_requests
     replica = serve.deployment(name=REPLICA_DEPLOYMENT)(PipelineReplica).options(
         num_replicas=replicas,
