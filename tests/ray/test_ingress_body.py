@@ -17,7 +17,6 @@ from pipeline.errors import InvalidRequest, PayloadTooLarge  # noqa: E402
 from pipeline.scaleout.ingress import _read_body  # noqa: E402
 
 
-
 def _request(chunks: list[bytes], gap_s: float, then_stall: bool) -> Request:
     """A POST whose body arrives as ``chunks``, ``gap_s`` apart; then its end, or nothing ever again."""
     sent = iter(chunks)
