@@ -26,6 +26,7 @@ from sampling.hf_adapter import HFModelRunner
 from sampling.model_runner import ModelRunner
 from sampling.paged_runner import PagedRunner
 from tests.sampling.helpers import NUM_BLOCKS, SCHEMA, SEEDED, add, make_engine, prompt, run_all
+from tests.serve_flags import config_of
 from vision.checkpoint import Checkpoint
 
 ATOL = 1e-4
@@ -181,14 +182,11 @@ def test_compile_model_on_compiles_the_engine_s_forward_at_its_start(
 
 @pytest.mark.parametrize(("flags", "mode"), [([], "auto"), (["--compile"], "on"), (["--no-compile"], "off")])
 def test_serve_compile_flags_reach_the_config(flags: list[str], mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline import cli
+    assert config_of(flags, monkeypatch).compile_model == mode
 
-    seen: list[PipelineConfig] = []
 
-    async def serve(args: Any) -> None:
-        seen.append(cli._config(args))
-
-    monkeypatch.setattr(cli, "serve", serve)
-    monkeypatch.setattr(cli, "_exit_without_waiting_for_threads", lambda: None)
-    assert cli.main(["serve", *flags]) == 0
-    assert seen[0].compile_model == mode
+@pytest.mark.parametrize(("flags", "on"), [([], False), (["--decode-buffers"], True)])
+def test_the_decode_buffers_flag_reaches_the_config(
+    flags: list[str], on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert config_of(flags, monkeypatch).decode_buffers is on

@@ -16,6 +16,7 @@ from sampling.inputs import EngineInput
 from sampling.model_runner import ModelRunner
 from sampling.params import SamplingParams
 from tests.sampling.helpers import IMAGE_TOKEN, prompt, run_all
+from tests.serve_flags import config_of
 from vision.checkpoint import Checkpoint
 
 
@@ -71,14 +72,4 @@ def test_an_unknown_dtype_is_refused_by_name() -> None:
 
 @pytest.mark.parametrize(("flags", "dtype"), [([], "auto"), (["--dtype", "bfloat16"], "bfloat16")])
 def test_the_dtype_flag_reaches_the_config(flags: list[str], dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline import cli
-
-    seen: list[PipelineConfig] = []
-
-    async def serve(args: Any) -> None:
-        seen.append(cli._config(args))
-
-    monkeypatch.setattr(cli, "serve", serve)
-    monkeypatch.setattr(cli, "_exit_without_waiting_for_threads", lambda: None)
-    assert cli.main(["serve", *flags]) == 0
-    assert seen[0].dtype == dtype
+    assert config_of(flags, monkeypatch).dtype == dtype
