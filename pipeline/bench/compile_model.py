@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from pipeline.bench.common import add_torch_arguments, load_average, machine, print_table, torch_device
 from pipeline.bench.compile_probe import count_step_ops, time_start
-from pipeline.bench.impl import interleaved_pairs, pair_figures
-from pipeline.config import PipelineConfig, default_cache_dir
+from pipeline.bench.impl import figures_per_batch, id_prompts, pairs_config
+from pipeline.config import default_cache_dir
 from pipeline.engine.factory import build_llm_engine
 from sampling.families import build_runner
 from vision.checkpoint import Checkpoint, open_checkpoint
@@ -73,23 +73,13 @@ def _ops(checkpoint: Checkpoint) -> dict[str, int]:
 
 def _tpots(checkpoint: Checkpoint, args: argparse.Namespace, device: str, progress: Any) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",")]
-    config = PipelineConfig(
-        model_impl=args.impl,
-        max_running_seqs=max(batches),
-        max_model_len=1024,
-        num_kv_blocks=max(batches) * (-(-(args.steps + 64) // 16)),
-    )
-    modes = ("eager", "compiled")
     engines = {
-        mode: build_llm_engine(checkpoint, dataclasses.replace(config, compile_model=on), device=device)
-        for mode, on in zip(modes, ("off", "on"), strict=True)
+        mode: build_llm_engine(
+            checkpoint, pairs_config(batches, args.steps, model_impl=args.impl, compile_model=on), device=device
+        )
+        for mode, on in (("eager", "off"), ("compiled", "on"))
     }
-    results = []
-    for batch in batches:
-        prompts = [[1, *range(1000 + 7 * i, 1010 + 7 * i)] for i in range(batch)]
-        tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
-        results.append({"batch": batch, **pair_figures(tpots, cpus, "compiled", "eager")})
-    return results
+    return figures_per_batch(engines, batches, id_prompts, args, progress, "compiled", "eager")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

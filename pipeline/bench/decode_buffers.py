@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from pipeline.bench.common import add_torch_arguments, load_average, machine, print_table, torch_device
 from pipeline.bench.compile_model import deep_checkpoint
-from pipeline.bench.impl import interleaved_pairs, pair_figures
-from pipeline.config import PipelineConfig, default_cache_dir
+from pipeline.bench.impl import figures_per_batch, id_prompts, pairs_config
+from pipeline.config import default_cache_dir
 from pipeline.engine.factory import build_llm_engine
 from vision.checkpoint import Checkpoint, open_checkpoint
 
@@ -40,23 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _tpots(checkpoint: Checkpoint, args: argparse.Namespace, device: str, progress: Any) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",")]
-    config = PipelineConfig(
-        max_running_seqs=max(batches),
-        max_model_len=1024,
-        num_kv_blocks=max(batches) * (-(-(args.steps + 64) // 16)),
-        compile_model="on" if args.compile else "off",
-    )
+    config = pairs_config(batches, args.steps, compile_model="on" if args.compile else "off")
     today = build_llm_engine(checkpoint, config, device=device)
     buffered = build_llm_engine(
         checkpoint, dataclasses.replace(config, decode_buffers=True), device=device, runner=today.runner
     )
     engines = {"today": today, "buffered": buffered}
-    results = []
-    for batch in batches:
-        prompts = [[1, *range(1000 + 7 * i, 1010 + 7 * i)] for i in range(batch)]
-        tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
-        results.append({"batch": batch, **pair_figures(tpots, cpus, "buffered", "today")})
-    return results
+    return figures_per_batch(engines, batches, id_prompts, args, progress, "buffered", "today")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

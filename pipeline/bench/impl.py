@@ -12,9 +12,9 @@ pairs is reported with its min and max. TPOT is wall-clock: the median interval 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +28,16 @@ from sampling.inputs import EngineInput
 from sampling.params import SamplingParams
 from vision.checkpoint import open_checkpoint
 
-__all__ = ["add_arguments", "decode_tpot", "interleaved_pairs", "pair_figures", "run"]
+__all__ = [
+    "add_arguments",
+    "decode_tpot",
+    "figures_per_batch",
+    "id_prompts",
+    "interleaved_pairs",
+    "pair_figures",
+    "pairs_config",
+    "run",
+]
 
 IMPLS = ("native", "transformers")
 
@@ -97,30 +106,57 @@ def pair_figures(
     return figures
 
 
+def pairs_config(batches: list[int], steps: int, **fields: Any) -> PipelineConfig:
+    """An engine's config with room for the largest of ``batches`` sequences of ``steps`` tokens after
+    prompts of up to 64 (``fields``: the rest of the config)."""
+    return PipelineConfig(
+        max_running_seqs=max(batches),
+        max_model_len=1024,
+        num_kv_blocks=max(batches) * (-(-(steps + 64) // 16)),
+        **fields,
+    )
+
+
+def id_prompts(batch: int) -> list[list[int]]:
+    """``batch`` distinct 11-token prompts of plain token ids."""
+    return [[1, *range(1000 + 7 * i, 1010 + 7 * i)] for i in range(batch)]
+
+
+def figures_per_batch(
+    engines: dict[str, LLMEngine],
+    batches: list[int],
+    prompts: Callable[[int], list[list[int]]],
+    args: argparse.Namespace,
+    progress: Any,
+    top: str,
+    bottom: str,
+) -> list[dict[str, Any]]:
+    """For each batch size, ``interleaved_pairs`` of the two engines over ``prompts(batch)`` (``args``:
+    ``steps`` and ``pairs``) reduced by ``pair_figures`` (``top`` ÷ ``bottom``), with the batch size."""
+    results = []
+    for batch in batches:
+        tpots, cpus = interleaved_pairs(engines, prompts(batch), args.steps, args.pairs, progress)
+        results.append({"batch": batch, **pair_figures(tpots, cpus, top, bottom)})
+    return results
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the scenario; print its table and return ``{"scenario": "impl", "results": [...]}``."""
     load = [load_average()]
     device = torch_device(args)
     checkpoint = open_checkpoint(None, default_cache_dir())
     batches = [int(b) for b in args.batches.split(",")]
-    config = PipelineConfig(
-        max_running_seqs=max(batches),
-        max_model_len=1024,
-        num_kv_blocks=max(batches) * (-(-(args.steps + 64) // 16)),
-    )
     engines = {
-        impl: build_llm_engine(checkpoint, dataclasses.replace(config, model_impl=impl), device=device)
+        impl: build_llm_engine(checkpoint, pairs_config(batches, args.steps, model_impl=impl), device=device)
         for impl in IMPLS
     }
-    results = []
+
+    def prompts(batch: int) -> list[list[int]]:
+        text = "[INST]Write note {} about the sea.[/INST]"
+        return [checkpoint.tokenizer.encode(text.format(i), add_special_tokens=False) for i in range(batch)]
+
     with tqdm(total=len(batches) * args.pairs * 2, desc="impl", file=sys.stderr) as progress:
-        for batch in batches:
-            prompts = [
-                checkpoint.tokenizer.encode(f"[INST]Write note {i} about the sea.[/INST]", add_special_tokens=False)
-                for i in range(batch)
-            ]
-            tpots, cpus = interleaved_pairs(engines, prompts, args.steps, args.pairs, progress)
-            results.append({"batch": batch, **pair_figures(tpots, cpus, "transformers", "native")})
+        results = figures_per_batch(engines, batches, prompts, args, progress, "transformers", "native")
     load.append(load_average())
     print(
         f"\nimpl: {args.steps} tokens per sequence, greedy, {args.pairs} interleaved pairs per batch, {device}, "
