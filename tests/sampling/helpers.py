@@ -97,3 +97,28 @@ def scheduler_steps(scheduler: Scheduler, num_steps: int) -> list[tuple[Any, ...
                 s.num_computed = s.num_tokens
                 s.output_ids.append(1)
     return ran
+
+
+NUM_TIGHT_BLOCKS = 7  # x 16 tokens: the five requests of ``two_rounds_tokens`` (2-3 blocks each) cannot all fit
+
+
+def two_rounds_tokens(engine: LLMEngine, tokenizer: Any, grammar: Any, *, n: int = 1) -> dict[str, list[int]]:
+    """Two rounds of the same requests (guided greedy, guided seeded, plain greedy, free seeded with
+    ``n`` choices) through ``engine``, built with ``NUM_TIGHT_BLOCKS`` (preemptions in the first round),
+    the second round on the first one's cached prefixes; every sequence's tokens, by "request/index"."""
+    tokens: dict[str, list[int]] = {}
+    for round_ in range(2):
+        for i in range(2):
+            add(engine, f"g{i}-{round_}", prompt(tokenizer, f"guided {i} " * 6), grammar, max_tokens=16, temperature=0)
+        add(engine, f"s{round_}", prompt(tokenizer, "seeded"), grammar, max_tokens=16, seed=5, **SEEDED)
+        add(engine, f"p{round_}", prompt(tokenizer, "plain " * 8), max_tokens=16, temperature=0.0, ignore_eos=True)
+        add(engine, f"q{round_}", prompt(tokenizer, "free"), max_tokens=16, seed=7, n=n, ignore_eos=True, **SEEDED)
+        seqs = engine.requests.sequences()
+        for (request_id, index), out in run_all(engine).items():
+            assert out.finish_reason in ("stop", "length"), out
+            tokens[f"{request_id}/{index}"] = out.token_ids
+        if round_ == 0:
+            assert sum(s.num_preemptions for s in seqs) > 0
+    assert engine.scheduler.allocator.stats.hits > 0
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
+    return tokens

@@ -25,7 +25,7 @@ from sampling.detokenizer import TokenBytes
 from sampling.hf_adapter import HFModelRunner
 from sampling.model_runner import ModelRunner
 from sampling.paged_runner import PagedRunner
-from tests.sampling.helpers import NUM_BLOCKS, SCHEMA, SEEDED, add, make_engine, prompt, run_all
+from tests.sampling.helpers import NUM_BLOCKS, NUM_TIGHT_BLOCKS, SCHEMA, make_engine, two_rounds_tokens
 from tests.serve_flags import config_of
 from vision.checkpoint import Checkpoint
 
@@ -35,7 +35,6 @@ needs_compiler = pytest.mark.skipif(
     not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cxx),
     reason="needs a C++ compiler (inductor builds its CPU kernels with one)",
 )
-NUM_TIGHT_BLOCKS = 7  # x 16 tokens: five sequences of 2-3 blocks each cannot all fit
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +45,9 @@ def compiled_runner(checkpoint: Checkpoint) -> ModelRunner:
 
 
 def _tokens(runner: PagedRunner, token_bytes: TokenBytes, tokenizer: Any, grammar: Any) -> dict[str, list[int]]:
-    """Two rounds of the same requests in a cache too small for them all (preemptions), the second
-    round on the first one's cached prefixes; every sequence's tokens."""
+    """``two_rounds_tokens`` on ``runner``: preemptions, then prefix hits."""
     engine = make_engine(runner, token_bytes, num_blocks=NUM_TIGHT_BLOCKS, max_running=8)  # type: ignore[arg-type]
-    tokens: dict[str, list[int]] = {}
-    for round_ in range(2):
-        for i in range(2):
-            add(engine, f"g{i}-{round_}", prompt(tokenizer, f"guided {i} " * 6), grammar, max_tokens=16, temperature=0)
-        add(engine, f"s{round_}", prompt(tokenizer, "seeded"), grammar, max_tokens=16, seed=5, **SEEDED)
-        add(engine, f"p{round_}", prompt(tokenizer, "plain " * 8), max_tokens=16, temperature=0.0, ignore_eos=True)
-        add(engine, f"q{round_}", prompt(tokenizer, "free"), max_tokens=16, seed=7, ignore_eos=True, **SEEDED)
-        seqs = engine.requests.sequences()
-        for (request_id, _), out in run_all(engine).items():
-            assert out.finish_reason in ("stop", "length"), out
-            tokens[request_id] = out.token_ids
-        if round_ == 0:
-            assert sum(s.num_preemptions for s in seqs) > 0
-    assert engine.scheduler.allocator.stats.hits > 0
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
-    return tokens
+    return two_rounds_tokens(engine, tokenizer, grammar)
 
 
 @needs_compiler

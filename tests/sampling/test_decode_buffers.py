@@ -12,9 +12,7 @@ import torch
 from sampling.decode_buffers import DecodeBucket, DecodeBuffers, row_buckets
 from sampling.detokenizer import TokenBytes
 from sampling.model_runner import ModelRunner
-from tests.sampling.helpers import NUM_BLOCKS, SEEDED, add, make_engine, prompt, run_all
-
-NUM_TIGHT_BLOCKS = 7  # x 16 tokens: five sequences of 2-3 blocks each cannot all fit
+from tests.sampling.helpers import NUM_BLOCKS, NUM_TIGHT_BLOCKS, make_engine, two_rounds_tokens
 
 
 def _buffers(runner: ModelRunner, max_rows: int = 16) -> DecodeBuffers:
@@ -103,21 +101,7 @@ def _tokens(
             return bucket
 
         built.parts.buffers.load = load_and_count  # type: ignore[method-assign]
-    tokens: dict[str, list[int]] = {}
-    for round_ in range(2):
-        for i in range(2):
-            add(built, f"g{i}-{round_}", prompt(tokenizer, f"guided {i} " * 6), grammar, max_tokens=16, temperature=0)
-        add(built, f"s{round_}", prompt(tokenizer, "seeded"), grammar, max_tokens=16, seed=5, **SEEDED)
-        add(built, f"p{round_}", prompt(tokenizer, "plain " * 8), max_tokens=16, temperature=0.0, ignore_eos=True)
-        add(built, f"q{round_}", prompt(tokenizer, "free"), max_tokens=16, seed=7, n=2, ignore_eos=True, **SEEDED)
-        seqs = built.requests.sequences()
-        for (request_id, index), out in run_all(built).items():
-            assert out.finish_reason in ("stop", "length"), out
-            tokens[f"{request_id}/{index}"] = out.token_ids
-        if round_ == 0:
-            assert sum(s.num_preemptions for s in seqs) > 0
-    assert built.scheduler.allocator.stats.hits > 0
-    assert built.scheduler.allocator.num_free == built.scheduler.allocator.num_blocks
+    tokens = two_rounds_tokens(built, tokenizer, grammar, n=2)
     assert not engine.get("decode_buffers") or (len(padded) > 20 and max(padded) > 0)
     return tokens
 
